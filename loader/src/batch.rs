@@ -1,0 +1,256 @@
+//! The decode engine's entry point: [`decode_batch`] turns the encoded bytes of one batch into
+//! packed uint8 HWC pixels plus per-sample metadata.
+//!
+//! Three passes: probe every header (cheap) to learn each output's shape and skip bad files
+//! before allocating; allocate the batch buffer once at its exact size; decode and resize every
+//! sample in parallel straight into its own slice of that buffer. Samples that fail in the last
+//! pass leave a hole that is closed by moving the later samples down.
+
+use std::cell::RefCell;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use fast_image_resize::Resizer;
+use rayon::prelude::*;
+
+use crate::decode::{self, DecodeLimits, Probe, SkipReason};
+use crate::transform::Transform;
+
+/// One sample's encoded bytes, or the reason it could not be fetched.
+#[derive(Debug, Clone)]
+pub struct EncodedSample {
+    pub key: String,
+    /// Manifest metadata (caption, label, ...), carried through unchanged.
+    pub metadata: String,
+    pub data: Result<Bytes, SkipReason>,
+}
+
+/// Per-sample result in a [`Batch`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SampleMeta {
+    pub key: String,
+    pub metadata: String,
+    /// Size after EXIF orientation; (0, 0) when the header was unreadable.
+    pub orig_width: u32,
+    pub orig_height: u32,
+    /// Output shape (HWC with C = 3) and start in [`Batch::pixels`]; zero when skipped.
+    pub width: u32,
+    pub height: u32,
+    pub offset: u64,
+    pub encoded_bytes: u64,
+    pub skip: Option<SkipReason>,
+}
+
+impl SampleMeta {
+    pub fn byte_len(&self) -> usize {
+        self.width as usize * self.height as usize * 3
+    }
+}
+
+/// CPU time spent per stage, summed over samples, plus the wall time of each pass.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BatchTimings {
+    pub decode_cpu: Duration,
+    pub resize_cpu: Duration,
+    pub probe_wall: Duration,
+    pub decode_wall: Duration,
+    pub pack_wall: Duration,
+}
+
+/// A decoded batch: pixels of decoded samples back to back in sample order.
+#[derive(Debug, Default)]
+pub struct Batch {
+    pub pixels: Vec<u8>,
+    pub samples: Vec<SampleMeta>,
+    pub timings: BatchTimings,
+}
+
+impl Batch {
+    /// The pixels of sample `i`, empty when it was skipped.
+    pub fn sample_pixels(&self, i: usize) -> &[u8] {
+        let m = &self.samples[i];
+        let start = m.offset as usize;
+        &self.pixels[start..start + m.byte_len()]
+    }
+
+    pub fn decoded_count(&self) -> usize {
+        self.samples.iter().filter(|s| s.skip.is_none()).count()
+    }
+}
+
+/// Scratch buffers of one pool thread, reused across samples: decoded and oriented images.
+#[derive(Default)]
+struct Scratch {
+    decoded: Vec<u8>,
+    oriented: Vec<u8>,
+    resizer: Resizer,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+struct Plan {
+    probe: Probe,
+    out: (u32, u32),
+}
+
+/// Decodes and transforms one batch on the current rayon pool (call it inside
+/// `ThreadPool::install` to choose the pool). Never panics on bad input: every failure becomes
+/// a skip with its reason, logged with the key.
+pub fn decode_batch(samples: &[EncodedSample], transform: &Transform, limits: &DecodeLimits) -> Batch {
+    let t0 = Instant::now();
+    // Pass 1: headers.
+    let plans: Vec<Result<Plan, SkipReason>> = samples
+        .par_iter()
+        .map(|s| plan_sample(s, transform, limits))
+        .collect();
+    let mut metas: Vec<SampleMeta> = samples
+        .iter()
+        .zip(&plans)
+        .map(|(s, p)| {
+            let mut m = SampleMeta {
+                key: s.key.clone(),
+                metadata: s.metadata.clone(),
+                encoded_bytes: s.data.as_ref().map_or(0, |b| b.len() as u64),
+                ..SampleMeta::default()
+            };
+            match p {
+                Ok(plan) => {
+                    let (ow, oh) = plan.probe.oriented_size();
+                    m.orig_width = ow;
+                    m.orig_height = oh;
+                    m.width = plan.out.0;
+                    m.height = plan.out.1;
+                }
+                Err(reason) => m.skip = Some(*reason),
+            }
+            m
+        })
+        .collect();
+    let mut offset = 0u64;
+    for m in &mut metas {
+        m.offset = offset;
+        offset += m.byte_len() as u64;
+    }
+    let t1 = Instant::now();
+
+    // Pass 2: one allocation for the batch, then every sample into its own slice.
+    let mut pixels = vec![0u8; offset as usize];
+    let mut slots: Vec<&mut [u8]> = Vec::with_capacity(metas.len());
+    let mut rest = pixels.as_mut_slice();
+    for m in &metas {
+        let (head, tail) = rest.split_at_mut(m.byte_len());
+        slots.push(head);
+        rest = tail;
+    }
+    let results: Vec<(Result<(), SkipReason>, Duration, Duration)> = slots
+        .into_par_iter()
+        .zip(samples.par_iter())
+        .zip(plans.par_iter())
+        .map(|((slot, sample), plan)| match (plan, &sample.data) {
+            (Ok(plan), Ok(data)) => decode_into(&sample.key, data, plan, transform, slot),
+            _ => (Ok(()), Duration::ZERO, Duration::ZERO),
+        })
+        .collect();
+    let t2 = Instant::now();
+
+    // Pass 3: close the holes left by late failures.
+    let mut timings = BatchTimings::default();
+    for (m, (r, dec, res)) in metas.iter_mut().zip(&results) {
+        timings.decode_cpu += *dec;
+        timings.resize_cpu += *res;
+        if let Err(reason) = r {
+            m.skip = Some(*reason);
+        }
+    }
+    let mut write = 0usize;
+    for m in &mut metas {
+        if m.skip.is_some() {
+            m.width = 0;
+            m.height = 0;
+            m.offset = write as u64;
+            continue;
+        }
+        let len = m.byte_len();
+        let read = m.offset as usize;
+        if read != write {
+            pixels.copy_within(read..read + len, write);
+        }
+        m.offset = write as u64;
+        write += len;
+    }
+    pixels.truncate(write);
+    timings.probe_wall = t1 - t0;
+    timings.decode_wall = t2 - t1;
+    timings.pack_wall = t1 - t0 + t2.elapsed();
+    Batch {
+        pixels,
+        samples: metas,
+        timings,
+    }
+}
+
+fn plan_sample(s: &EncodedSample, transform: &Transform, limits: &DecodeLimits) -> Result<Plan, SkipReason> {
+    let data = s.data.as_ref().map_err(|r| *r)?;
+    let probe = decode::probe(data, limits).map_err(|e| {
+        tracing::warn!(key = %s.key, reason = %e.category(), error = %e, "skipping sample");
+        e.category()
+    })?;
+    let (w, h) = probe.oriented_size();
+    let out = transform.output_size(w, h).map_err(|e| {
+        tracing::warn!(key = %s.key, reason = "bad_geometry", error = %e, "skipping sample");
+        SkipReason::BadGeometry
+    })?;
+    Ok(Plan { probe, out })
+}
+
+/// Decodes one sample and resizes it into `slot`; returns (result, decode time, resize time).
+fn decode_into(
+    key: &str,
+    data: &[u8],
+    plan: &Plan,
+    transform: &Transform,
+    slot: &mut [u8],
+) -> (Result<(), SkipReason>, Duration, Duration) {
+    SCRATCH.with(|cell| {
+        let mut guard = cell.borrow_mut();
+        let scratch = &mut *guard;
+        let t0 = Instant::now();
+        let (ow, oh) = plan.probe.oriented_size();
+        let min = match transform.min_source_size(ow, oh) {
+            Ok((mw, mh)) if plan.probe.orientation.swaps_axes() => Some((mh, mw)),
+            Ok(m) => Some(m),
+            Err(_) => None,
+        };
+        let decoded = match decode::decode_rgb(data, &plan.probe, min, &mut scratch.decoded) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(key, reason = %e.category(), error = %e, "skipping sample");
+                return (Err(e.category()), t0.elapsed(), Duration::ZERO);
+            }
+        };
+        let (src, sw, sh) = if plan.probe.orientation == decode::Orientation::Normal {
+            (&scratch.decoded, decoded.width, decoded.height)
+        } else {
+            let (w, h) = decode::apply_orientation(
+                &scratch.decoded,
+                decoded.width,
+                decoded.height,
+                plan.probe.orientation,
+                &mut scratch.oriented,
+            );
+            (&scratch.oriented, w, h)
+        };
+        let t1 = Instant::now();
+        let result = transform.apply(src, sw, sh, plan.out, slot, &mut scratch.resizer);
+        let t2 = Instant::now();
+        match result {
+            Ok(()) => (Ok(()), t1 - t0, t2 - t1),
+            Err(e) => {
+                tracing::warn!(key, reason = "bad_geometry", error = %e, "skipping sample");
+                (Err(SkipReason::BadGeometry), t1 - t0, t2 - t1)
+            }
+        }
+    })
+}

@@ -1,0 +1,178 @@
+//! EXIF orientation: read from a JPEG's APP1 segment (PNG and WebP get it from the `image`
+//! crate) and applied to decoded RGB8 pixels so that samples look the way cameras meant.
+
+/// EXIF orientation tag values 1–8.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Orientation {
+    #[default]
+    Normal,
+    FlipH,
+    Rotate180,
+    FlipV,
+    /// Transpose (flip over the main diagonal).
+    Transpose,
+    Rotate90,
+    Transverse,
+    Rotate270,
+}
+
+impl Orientation {
+    pub fn from_exif(v: u16) -> Orientation {
+        match v {
+            2 => Orientation::FlipH,
+            3 => Orientation::Rotate180,
+            4 => Orientation::FlipV,
+            5 => Orientation::Transpose,
+            6 => Orientation::Rotate90,
+            7 => Orientation::Transverse,
+            8 => Orientation::Rotate270,
+            _ => Orientation::Normal,
+        }
+    }
+
+    /// Whether width and height trade places.
+    pub fn swaps_axes(self) -> bool {
+        matches!(
+            self,
+            Orientation::Transpose
+                | Orientation::Rotate90
+                | Orientation::Transverse
+                | Orientation::Rotate270
+        )
+    }
+}
+
+/// Finds the orientation tag in a JPEG's EXIF (APP1) segment; Normal when absent or unreadable,
+/// because a broken EXIF block should not cost the sample.
+pub fn exif_orientation(jpeg: &[u8]) -> Orientation {
+    let mut pos = 2;
+    while pos + 4 <= jpeg.len() {
+        if jpeg[pos] != 0xFF {
+            return Orientation::Normal;
+        }
+        let marker = jpeg[pos + 1];
+        // Fill bytes between markers.
+        if marker == 0xFF {
+            pos += 1;
+            continue;
+        }
+        // Start of scan or end of image: no EXIF before the pixel data.
+        if marker == 0xDA || marker == 0xD9 {
+            return Orientation::Normal;
+        }
+        let len = usize::from(u16::from_be_bytes([jpeg[pos + 2], jpeg[pos + 3]]));
+        let seg_start = pos + 4;
+        let seg_end = (pos + 2 + len).min(jpeg.len());
+        if marker == 0xE1 && seg_end > seg_start {
+            let seg = &jpeg[seg_start..seg_end];
+            if let Some(tiff) = seg.strip_prefix(b"Exif\0\0") {
+                return tiff_orientation(tiff).unwrap_or_default();
+            }
+        }
+        pos = pos + 2 + len;
+    }
+    Orientation::Normal
+}
+
+/// Reads tag 0x0112 from IFD0 of a TIFF block.
+pub(crate) fn tiff_orientation(tiff: &[u8]) -> Option<Orientation> {
+    let le = match tiff.get(0..2)? {
+        b"II" => true,
+        b"MM" => false,
+        _ => return None,
+    };
+    let u16_at = |i: usize| -> Option<u16> {
+        let b = tiff.get(i..i + 2)?;
+        Some(if le {
+            u16::from_le_bytes([b[0], b[1]])
+        } else {
+            u16::from_be_bytes([b[0], b[1]])
+        })
+    };
+    let u32_at = |i: usize| -> Option<u32> {
+        let b = tiff.get(i..i + 4)?;
+        Some(if le {
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        } else {
+            u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+        })
+    };
+    let ifd = usize::try_from(u32_at(4)?).ok()?;
+    let count = usize::from(u16_at(ifd)?);
+    for i in 0..count.min(512) {
+        let entry = ifd + 2 + i * 12;
+        if u16_at(entry)? == 0x0112 {
+            return Some(Orientation::from_exif(u16_at(entry + 8)?));
+        }
+    }
+    None
+}
+
+/// Applies `o` to packed RGB8 `src` (w x h), writing into `dst`; returns the new size.
+pub fn apply_orientation(
+    src: &[u8],
+    w: u32,
+    h: u32,
+    o: Orientation,
+    dst: &mut Vec<u8>,
+) -> (u32, u32) {
+    let (w, h) = (w as usize, h as usize);
+    let (ow, oh) = if o.swaps_axes() { (h, w) } else { (w, h) };
+    dst.clear();
+    dst.resize(ow * oh * 3, 0);
+    for y in 0..oh {
+        for x in 0..ow {
+            // Source pixel for output (x, y).
+            let (sx, sy) = match o {
+                Orientation::Normal => (x, y),
+                Orientation::FlipH => (w - 1 - x, y),
+                Orientation::Rotate180 => (w - 1 - x, h - 1 - y),
+                Orientation::FlipV => (x, h - 1 - y),
+                Orientation::Transpose => (y, x),
+                Orientation::Rotate90 => (y, h - 1 - x),
+                Orientation::Transverse => (w - 1 - y, h - 1 - x),
+                Orientation::Rotate270 => (w - 1 - y, x),
+            };
+            let s = (sy * w + sx) * 3;
+            let d = (y * ow + x) * 3;
+            dst[d..d + 3].copy_from_slice(&src[s..s + 3]);
+        }
+    }
+    (ow as u32, oh as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 2x1 image: red, green.
+    const RG: [u8; 6] = [255, 0, 0, 0, 255, 0];
+
+    #[test]
+    fn rotate90_turns_a_row_into_a_column() {
+        let mut out = Vec::new();
+        let (w, h) = apply_orientation(&RG, 2, 1, Orientation::Rotate90, &mut out);
+        assert_eq!((w, h), (1, 2));
+        // Clockwise: the left pixel (red) ends on top.
+        assert_eq!(out, vec![255, 0, 0, 0, 255, 0]);
+        let (w, h) = apply_orientation(&RG, 2, 1, Orientation::Rotate270, &mut out);
+        assert_eq!((w, h), (1, 2));
+        assert_eq!(out, vec![0, 255, 0, 255, 0, 0]);
+        apply_orientation(&RG, 2, 1, Orientation::FlipH, &mut out);
+        assert_eq!(out, vec![0, 255, 0, 255, 0, 0]);
+    }
+
+    #[test]
+    fn reads_orientation_from_big_endian_exif() {
+        // TIFF header MM, IFD at 8 with one entry: 0x0112 SHORT 1 value 6.
+        let mut tiff = b"MM\0\x2a\0\0\0\x08\0\x01".to_vec();
+        tiff.extend_from_slice(&[0x01, 0x12, 0, 3, 0, 0, 0, 1, 0, 6, 0, 0]);
+        let mut jpeg = vec![0xFF, 0xD8, 0xFF, 0xE1];
+        let len = (2 + 6 + tiff.len()) as u16;
+        jpeg.extend_from_slice(&len.to_be_bytes());
+        jpeg.extend_from_slice(b"Exif\0\0");
+        jpeg.extend_from_slice(&tiff);
+        jpeg.extend_from_slice(&[0xFF, 0xD9]);
+        assert_eq!(exif_orientation(&jpeg), Orientation::Rotate90);
+    }
+}

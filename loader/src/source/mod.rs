@@ -1,0 +1,88 @@
+//! Where samples come from: S3 listing (ListObjectsV2, paginated), JSONL manifests (in S3 or on
+//! disk), and GETs with bounded concurrency and jittered exponential backoff.
+
+mod manifest;
+mod s3;
+
+pub use manifest::{parse_manifest, ManifestLocation};
+pub use s3::{RetryPolicy, S3Config, S3Source, StaticCredentials};
+
+use crate::decode::SkipReason;
+
+/// One sample of a dataset: its object key and the free metadata that travels with it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SampleRef {
+    pub key: String,
+    /// JSON object with the manifest's other fields (caption, label, ...); empty when listed.
+    pub metadata: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("s3://{bucket}/{key} not found")]
+    NotFound { bucket: String, key: String },
+    #[error("s3://{bucket}/{key}: still throttled (503 SlowDown) after {attempts} attempts")]
+    Throttled {
+        bucket: String,
+        key: String,
+        attempts: u32,
+    },
+    #[error("s3://{bucket}/{key}: server error {status} after {attempts} attempts")]
+    Server {
+        bucket: String,
+        key: String,
+        status: u16,
+        attempts: u32,
+    },
+    #[error("s3://{bucket}/{key}: access denied ({status})")]
+    AccessDenied {
+        bucket: String,
+        key: String,
+        status: u16,
+    },
+    #[error("s3://{bucket}/{key}: timed out or connection failed after {attempts} attempts: {detail}")]
+    Transport {
+        bucket: String,
+        key: String,
+        attempts: u32,
+        detail: String,
+    },
+    #[error("s3://{bucket}/{key}: request failed: {detail}")]
+    Request {
+        bucket: String,
+        key: String,
+        detail: String,
+    },
+    #[error("manifest {location}, line {line}: {detail}")]
+    Manifest {
+        location: String,
+        line: usize,
+        detail: String,
+    },
+    #[error("reading manifest {location}: {detail}")]
+    ManifestRead { location: String, detail: String },
+}
+
+impl SourceError {
+    /// Error label on metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            SourceError::NotFound { .. } => "not_found",
+            SourceError::Throttled { .. } => "throttled",
+            SourceError::Server { .. } => "server_error",
+            SourceError::AccessDenied { .. } => "access_denied",
+            SourceError::Transport { .. } => "transport",
+            SourceError::Request { .. } => "request",
+            SourceError::Manifest { .. } => "manifest",
+            SourceError::ManifestRead { .. } => "manifest_read",
+        }
+    }
+
+    /// How a sample that hit this error is reported in a batch.
+    pub fn skip_reason(&self) -> SkipReason {
+        match self {
+            SourceError::NotFound { .. } => SkipReason::NotFound,
+            _ => SkipReason::S3Error,
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! Resize modes, pure: sizes in, sizes out, and a resize of RGB8 pixels into a caller's slice.
+//!
+//! - `crop`: shorter side to the target, center crop (the torchvision Resize + CenterCrop pair).
+//! - `fit`: the whole image inside the target, centered and padded (letterbox).
+//! - `qwenSmart`: Qwen-VL dynamic resolution (`smart_resize` of Qwen2-VL / Qwen2.5-VL / Qwen3-VL):
+//!   both sides multiples of `factor`, pixel count within [min_pixels, max_pixels], aspect kept.
+//!   Output sizes differ per image, so batches are ragged.
+//!
+//! Output is uint8 HWC RGB; normalization belongs on the GPU.
+
+use fast_image_resize::images::{CroppedImageMut, Image, ImageRef};
+use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transform {
+    Crop {
+        width: u32,
+        height: u32,
+    },
+    Fit {
+        width: u32,
+        height: u32,
+        /// Gray level of the padding.
+        pad: u8,
+    },
+    QwenSmart {
+        factor: u32,
+        min_pixels: u64,
+        max_pixels: u64,
+    },
+}
+
+impl Transform {
+    /// Qwen2.5-VL's defaults: 14-pixel patches merged 2x2, 4 to 16384 merged tokens.
+    pub const QWEN25_VL: Transform = Transform::QwenSmart {
+        factor: 28,
+        min_pixels: 4 * 28 * 28,
+        max_pixels: 16384 * 28 * 28,
+    };
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Transform::Crop { .. } => "crop",
+            Transform::Fit { .. } => "fit",
+            Transform::QwenSmart { .. } => "qwenSmart",
+        }
+    }
+
+    /// Rejects settings that cannot produce an image.
+    pub fn validate(&self) -> Result<(), TransformError> {
+        match *self {
+            Transform::Crop { width, height } | Transform::Fit { width, height, .. } => {
+                if width == 0 || height == 0 || u64::from(width) * u64::from(height) > MAX_OUTPUT_PIXELS {
+                    return Err(TransformError::InvalidSettings {
+                        detail: format!("target {width}x{height} must be 1..={MAX_OUTPUT_PIXELS} pixels"),
+                    });
+                }
+            }
+            Transform::QwenSmart {
+                factor,
+                min_pixels,
+                max_pixels,
+            } => {
+                if factor == 0
+                    || min_pixels > max_pixels
+                    || max_pixels < u64::from(factor) * u64::from(factor)
+                    || max_pixels > MAX_OUTPUT_PIXELS
+                {
+                    return Err(TransformError::InvalidSettings {
+                        detail: format!(
+                            "qwenSmart factor {factor}, pixels {min_pixels}..{max_pixels}: need factor > 0, min <= max, factor^2 <= max <= {MAX_OUTPUT_PIXELS}"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Output (width, height) for an image of `w` x `h` (after orientation).
+    pub fn output_size(&self, w: u32, h: u32) -> Result<(u32, u32), TransformError> {
+        match *self {
+            Transform::Crop { width, height } | Transform::Fit { width, height, .. } => {
+                Ok((width, height))
+            }
+            Transform::QwenSmart {
+                factor,
+                min_pixels,
+                max_pixels,
+            } => {
+                let (oh, ow) = smart_resize(h, w, factor, min_pixels, max_pixels)?;
+                Ok((ow, oh))
+            }
+        }
+    }
+
+    /// The smallest decoded size that still feeds the output at full resolution: lets the JPEG
+    /// decoder scale in the DCT domain down to it.
+    pub fn min_source_size(&self, w: u32, h: u32) -> Result<(u32, u32), TransformError> {
+        let (ow, oh) = self.output_size(w, h)?;
+        let (sx, sy) = (f64::from(ow) / f64::from(w), f64::from(oh) / f64::from(h));
+        let s = match self {
+            Transform::Fit { .. } => sx.min(sy),
+            _ => sx.max(sy),
+        };
+        Ok((
+            (f64::from(w) * s).ceil() as u32,
+            (f64::from(h) * s).ceil() as u32,
+        ))
+    }
+
+    /// Resizes packed RGB8 `src` (`sw` x `sh`) into `dst`, which holds exactly the output size
+    /// (`output_size` of the original image) as packed HWC.
+    pub fn apply(
+        &self,
+        src: &[u8],
+        sw: u32,
+        sh: u32,
+        out_size: (u32, u32),
+        dst: &mut [u8],
+        resizer: &mut Resizer,
+    ) -> Result<(), TransformError> {
+        let (ow, oh) = out_size;
+        let src_img = ImageRef::new(sw, sh, src, PixelType::U8x3).map_err(|e| {
+            TransformError::Resize {
+                detail: e.to_string(),
+            }
+        })?;
+        let mut dst_img = Image::from_slice_u8(ow, oh, dst, PixelType::U8x3).map_err(|e| {
+            TransformError::Resize {
+                detail: e.to_string(),
+            }
+        })?;
+        let alg = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
+        let (fw, fh) = (f64::from(sw), f64::from(sh));
+        let result = match *self {
+            Transform::Crop { .. } => {
+                let s = (f64::from(ow) / fw).max(f64::from(oh) / fh);
+                let (cw, ch) = ((f64::from(ow) / s).min(fw), (f64::from(oh) / s).min(fh));
+                let opts = alg.crop((fw - cw) / 2.0, (fh - ch) / 2.0, cw, ch);
+                resizer.resize(&src_img, &mut dst_img, &opts)
+            }
+            Transform::Fit { pad, .. } => {
+                let (iw, ih) = fit_inner_size(sw, sh, ow, oh);
+                dst_img.buffer_mut().fill(pad);
+                let (left, top) = ((ow - iw) / 2, (oh - ih) / 2);
+                let mut inner = CroppedImageMut::new(&mut dst_img, left, top, iw, ih).map_err(
+                    |e| TransformError::Resize {
+                        detail: e.to_string(),
+                    },
+                )?;
+                resizer.resize(&src_img, &mut inner, &alg)
+            }
+            Transform::QwenSmart { .. } => resizer.resize(&src_img, &mut dst_img, &alg),
+        };
+        result.map_err(|e| TransformError::Resize {
+            detail: e.to_string(),
+        })
+    }
+}
+
+/// Largest output of any mode: bounds memory per sample whatever a request asks for.
+pub const MAX_OUTPUT_PIXELS: u64 = 16384 * 28 * 28;
+
+/// Size of the scaled image inside a `fit` letterbox.
+pub fn fit_inner_size(sw: u32, sh: u32, ow: u32, oh: u32) -> (u32, u32) {
+    let s = (f64::from(ow) / f64::from(sw)).min(f64::from(oh) / f64::from(sh));
+    let iw = ((f64::from(sw) * s).round() as u32).clamp(1, ow);
+    let ih = ((f64::from(sh) * s).round() as u32).clamp(1, oh);
+    (iw, ih)
+}
+
+/// Qwen-VL's `smart_resize(height, width, factor, min_pixels, max_pixels)` -> (height, width),
+/// with Python's round-half-to-even so sizes match the reference processor exactly.
+pub fn smart_resize(
+    height: u32,
+    width: u32,
+    factor: u32,
+    min_pixels: u64,
+    max_pixels: u64,
+) -> Result<(u32, u32), TransformError> {
+    let (h, w, f) = (f64::from(height), f64::from(width), f64::from(factor));
+    if height == 0 || width == 0 || factor == 0 {
+        return Err(TransformError::BadGeometry {
+            detail: format!("{width}x{height} with factor {factor}"),
+        });
+    }
+    if h.max(w) / h.min(w) > 200.0 {
+        return Err(TransformError::BadGeometry {
+            detail: format!("aspect ratio of {width}x{height} is above 200"),
+        });
+    }
+    let mut h_bar = f.max((h / f).round_ties_even() * f);
+    let mut w_bar = f.max((w / f).round_ties_even() * f);
+    if h_bar * w_bar > max_pixels as f64 {
+        let beta = ((h * w) / max_pixels as f64).sqrt();
+        h_bar = f.max((h / beta / f).floor() * f);
+        w_bar = f.max((w / beta / f).floor() * f);
+    } else if h_bar * w_bar < min_pixels as f64 {
+        let beta = (min_pixels as f64 / (h * w)).sqrt();
+        h_bar = (h * beta / f).ceil() * f;
+        w_bar = (w * beta / f).ceil() * f;
+    }
+    Ok((h_bar as u32, w_bar as u32))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransformError {
+    #[error("invalid transform: {detail}")]
+    InvalidSettings { detail: String },
+    #[error("no output size for this image: {detail}")]
+    BadGeometry { detail: String },
+    #[error("resize failed: {detail}")]
+    Resize { detail: String },
+}
+
+impl TransformError {
+    pub fn category(&self) -> &'static str {
+        match self {
+            TransformError::InvalidSettings { .. } => "invalid_settings",
+            TransformError::BadGeometry { .. } => "bad_geometry",
+            TransformError::Resize { .. } => "resize",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smart_resize_matches_the_reference_processor() {
+        // Values from Qwen2-VL's smart_resize in Python (factor 28, 56*56..28*28*1280).
+        let (min, max) = (56 * 56, 28 * 28 * 1280);
+        assert_eq!(smart_resize(375, 500, 28, min, max).unwrap(), (364, 504));
+        assert_eq!(smart_resize(1200, 1600, 28, min, max).unwrap(), (840, 1148));
+        assert_eq!(smart_resize(20, 30, 28, min, max).unwrap(), (56, 84));
+        assert!(smart_resize(10, 3000, 28, min, max).is_err());
+    }
+
+    #[test]
+    fn qwen_sizes_are_multiples_within_bounds() {
+        let t = Transform::QwenSmart {
+            factor: 32,
+            min_pixels: 64 * 32 * 32,
+            max_pixels: 1024 * 32 * 32,
+        };
+        for (w, h) in [(500, 375), (1600, 1200), (333, 1000), (4000, 100), (64, 64)] {
+            let (ow, oh) = t.output_size(w, h).unwrap();
+            assert_eq!(ow % 32, 0);
+            assert_eq!(oh % 32, 0);
+            let px = u64::from(ow) * u64::from(oh);
+            assert!((64 * 32 * 32..=1024 * 32 * 32).contains(&px), "{w}x{h} -> {ow}x{oh}");
+            let (ar_in, ar_out) = (f64::from(w) / f64::from(h), f64::from(ow) / f64::from(oh));
+            assert!((ar_in / ar_out - 1.0).abs() < 0.35, "{w}x{h} -> {ow}x{oh}");
+        }
+    }
+
+    #[test]
+    fn min_source_size_follows_the_mode() {
+        let crop = Transform::Crop { width: 448, height: 448 };
+        assert_eq!(crop.min_source_size(1600, 1200).unwrap(), (598, 448));
+        let fit = Transform::Fit { width: 448, height: 448, pad: 0 };
+        assert_eq!(fit.min_source_size(1600, 1200).unwrap(), (448, 336));
+    }
+
+    #[test]
+    fn fit_pads_and_centers() {
+        let fit = Transform::Fit { width: 8, height: 8, pad: 7 };
+        let src = vec![200u8; 8 * 4 * 3];
+        let mut dst = vec![0u8; 8 * 8 * 3];
+        fit.apply(&src, 8, 4, (8, 8), &mut dst, &mut Resizer::new()).unwrap();
+        // Rows 0-1 and 6-7 are padding, rows 2-5 carry the image.
+        assert!(dst[..2 * 8 * 3].iter().all(|&v| v == 7));
+        assert!(dst[2 * 8 * 3..6 * 8 * 3].iter().all(|&v| v == 200));
+        assert!(dst[6 * 8 * 3..].iter().all(|&v| v == 7));
+    }
+}

@@ -1,0 +1,109 @@
+//! Mapping between the engine's types and the wire types.
+
+use crate::batch::{Batch, BatchTimings, SampleMeta};
+use crate::decode::SkipReason;
+use crate::proto;
+use crate::transform::{Transform, TransformError};
+
+pub fn transform_from_proto(t: Option<&proto::Transform>) -> Result<Transform, TransformError> {
+    let t = t.ok_or_else(|| TransformError::InvalidSettings {
+        detail: "missing transform".into(),
+    })?;
+    let mode = proto::transform::Mode::try_from(t.mode).unwrap_or(proto::transform::Mode::Unspecified);
+    let transform = match mode {
+        proto::transform::Mode::Crop => Transform::Crop {
+            width: t.width,
+            height: t.height,
+        },
+        proto::transform::Mode::Fit => Transform::Fit {
+            width: t.width,
+            height: t.height,
+            pad: u8::try_from(t.pad_value).unwrap_or(u8::MAX),
+        },
+        proto::transform::Mode::QwenSmart => Transform::QwenSmart {
+            factor: t.factor,
+            min_pixels: t.min_pixels,
+            max_pixels: t.max_pixels,
+        },
+        proto::transform::Mode::Unspecified => {
+            return Err(TransformError::InvalidSettings {
+                detail: "transform mode unspecified".into(),
+            });
+        }
+    };
+    transform.validate()?;
+    Ok(transform)
+}
+
+pub fn transform_to_proto(t: &Transform) -> proto::Transform {
+    use proto::transform::Mode;
+    match *t {
+        Transform::Crop { width, height } => proto::Transform {
+            mode: Mode::Crop as i32,
+            width,
+            height,
+            ..Default::default()
+        },
+        Transform::Fit { width, height, pad } => proto::Transform {
+            mode: Mode::Fit as i32,
+            width,
+            height,
+            pad_value: pad.into(),
+            ..Default::default()
+        },
+        Transform::QwenSmart {
+            factor,
+            min_pixels,
+            max_pixels,
+        } => proto::Transform {
+            mode: Mode::QwenSmart as i32,
+            factor,
+            min_pixels,
+            max_pixels,
+            ..Default::default()
+        },
+    }
+}
+
+pub(crate) fn meta_to_proto(m: SampleMeta) -> proto::SampleMeta {
+    proto::SampleMeta {
+        key: m.key,
+        metadata: m.metadata,
+        orig_width: m.orig_width,
+        orig_height: m.orig_height,
+        height: m.height,
+        width: m.width,
+        offset: m.offset,
+        encoded_bytes: m.encoded_bytes,
+        skip_reason: m.skip.map(|r| r.as_str().to_string()).unwrap_or_default(),
+    }
+}
+
+/// Turns a reply back into a [`Batch`] (the sidecar's view); the pixel buffer is copied once out
+/// of the reply's `Bytes` only when it is shared.
+pub fn batch_from_reply(reply: proto::DecodeBatchReply) -> Batch {
+    let samples = reply
+        .samples
+        .into_iter()
+        .map(|m| SampleMeta {
+            key: m.key,
+            metadata: m.metadata,
+            orig_width: m.orig_width,
+            orig_height: m.orig_height,
+            width: m.width,
+            height: m.height,
+            offset: m.offset,
+            encoded_bytes: m.encoded_bytes,
+            skip: if m.skip_reason.is_empty() {
+                None
+            } else {
+                Some(SkipReason::parse(&m.skip_reason).unwrap_or(SkipReason::Corrupt))
+            },
+        })
+        .collect();
+    Batch {
+        pixels: Vec::from(reply.pixels),
+        samples,
+        timings: BatchTimings::default(),
+    }
+}

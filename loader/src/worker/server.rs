@@ -1,0 +1,186 @@
+//! Wiring of the worker process: gRPC server, HTTP endpoints, decode pool and the drain.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use futures::StreamExt;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use super::client::{CONNECTION_WINDOW, MAX_MESSAGE_BYTES, STREAM_WINDOW};
+use super::service::{DecodeWorker, WorkerState};
+use crate::decode::DecodeLimits;
+use crate::metrics::LoaderMetrics;
+use crate::proto::decode_service_server::DecodeServiceServer;
+use crate::source::{S3Config, S3Source};
+
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub grpc_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    /// Decode threads; 0 means one per core.
+    pub threads: usize,
+    /// Batches admitted at once (fetching, queued or decoding); more are refused.
+    pub queue_depth: usize,
+    pub max_batch_samples: usize,
+    pub limits: DecodeLimits,
+    /// None: only inline samples can be decoded.
+    pub s3: Option<S3Config>,
+    /// Longest wait for in-flight batches after SIGTERM.
+    pub drain_timeout: Duration,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            grpc_addr: ([0, 0, 0, 0], 50051).into(),
+            http_addr: ([0, 0, 0, 0], 9090).into(),
+            threads: 0,
+            queue_depth: 0,
+            max_batch_samples: 1024,
+            limits: DecodeLimits::default(),
+            s3: None,
+            drain_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A bound, not yet serving, worker: addresses are known (port 0 resolved) before serving.
+pub struct DecodeServer {
+    config: WorkerConfig,
+    grpc: TcpListener,
+    http: TcpListener,
+    pub state: Arc<WorkerState>,
+}
+
+impl DecodeServer {
+    pub async fn bind(config: WorkerConfig) -> anyhow::Result<Self> {
+        let grpc = TcpListener::bind(config.grpc_addr).await?;
+        let http = TcpListener::bind(config.http_addr).await?;
+        let state = Arc::new(WorkerState::new(Arc::new(LoaderMetrics::new())));
+        Ok(Self {
+            config,
+            grpc,
+            http,
+            state,
+        })
+    }
+
+    pub fn grpc_addr(&self) -> std::io::Result<SocketAddr> {
+        self.grpc.local_addr()
+    }
+
+    pub fn http_addr(&self) -> std::io::Result<SocketAddr> {
+        self.http.local_addr()
+    }
+
+    /// Serves until `shutdown` resolves, then drains: readiness turns 503, new batches are
+    /// refused with UNAVAILABLE, in-flight batches finish (up to the drain timeout), and the
+    /// servers stop.
+    pub async fn serve(self, shutdown: impl std::future::Future<Output = ()> + Send) -> anyhow::Result<()> {
+        let threads = if self.config.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            self.config.threads
+        };
+        let queue_depth = if self.config.queue_depth == 0 {
+            // Enough to keep the pool busy while the next batches' GETs are in flight.
+            threads * 2 + 2
+        } else {
+            self.config.queue_depth
+        };
+        let pool = Arc::new(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("decode-{i}"))
+                .build()?,
+        );
+        let source = match &self.config.s3 {
+            Some(cfg) => Some(S3Source::connect(cfg, self.state.metrics.clone()).await),
+            None => None,
+        };
+        let worker = DecodeWorker::new(
+            self.state.clone(),
+            source,
+            pool,
+            queue_depth,
+            self.config.limits,
+            self.config.max_batch_samples,
+        );
+        let service = DecodeServiceServer::new(worker)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let grpc_incoming = TcpListenerStream::new(self.grpc).map(|conn| {
+            if let Ok(s) = &conn {
+                let _ = s.set_nodelay(true);
+            }
+            conn
+        });
+        let mut grpc_stop = stop_rx.clone();
+        let grpc = tonic::transport::Server::builder()
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .add_service(service)
+            .serve_with_incoming_shutdown(grpc_incoming, async move {
+                let _ = grpc_stop.wait_for(|s| *s).await;
+            });
+
+        let app = Router::new()
+            .route("/metrics", get(metrics_handler))
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/readyz", get(ready_handler))
+            .with_state(self.state.clone());
+        let mut http_stop = stop_rx.clone();
+        let http = axum::serve(self.http, app).with_graceful_shutdown(async move {
+            let _ = http_stop.wait_for(|s| *s).await;
+        });
+
+        let state = self.state.clone();
+        let drain_timeout = self.config.drain_timeout;
+        let drain = async move {
+            shutdown.await;
+            tracing::info!(inflight = state.inflight(), "draining: refusing new batches");
+            state.start_draining();
+            let deadline = Instant::now() + drain_timeout;
+            while state.inflight() > 0 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            if state.inflight() > 0 {
+                tracing::warn!(inflight = state.inflight(), "drain timeout; stopping anyway");
+            } else {
+                tracing::info!("drained");
+            }
+            let _ = stop_tx.send(true);
+        };
+        tracing::info!(threads, queue_depth, "decode worker serving");
+        let (g, h, ()) = tokio::join!(grpc, async { http.await }, drain);
+        g?;
+        h?;
+        Ok(())
+    }
+}
+
+async fn metrics_handler(State(state): State<Arc<WorkerState>>) -> impl axum::response::IntoResponse {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.encode(),
+    )
+}
+
+async fn ready_handler(State(state): State<Arc<WorkerState>>) -> (StatusCode, &'static str) {
+    if state.is_draining() {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining")
+    } else {
+        (StatusCode::OK, "ready")
+    }
+}

@@ -1,0 +1,219 @@
+//! The DecodeBatch handler: admission (bounded queue), GETs, then the CPU work on the pool.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use bytes::Bytes;
+use futures::future::join_all;
+use tokio::sync::{Semaphore, oneshot};
+use tonic::{Request, Response, Status};
+
+use super::convert::{meta_to_proto, transform_from_proto};
+use crate::batch::{EncodedSample, decode_batch};
+use crate::decode::DecodeLimits;
+use crate::metrics::LoaderMetrics;
+use crate::proto;
+use crate::proto::decode_service_server::DecodeService;
+use crate::source::S3Source;
+
+/// Shared by the service, the HTTP endpoints and the drain logic.
+pub struct WorkerState {
+    draining: AtomicBool,
+    inflight: AtomicUsize,
+    pub metrics: Arc<LoaderMetrics>,
+}
+
+impl WorkerState {
+    pub fn new(metrics: Arc<LoaderMetrics>) -> Self {
+        Self {
+            draining: AtomicBool::new(false),
+            inflight: AtomicUsize::new(0),
+            metrics,
+        }
+    }
+
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    pub fn inflight(&self) -> usize {
+        self.inflight.load(Ordering::SeqCst)
+    }
+}
+
+/// Counts a batch as in flight for as long as it lives, whatever way the handler exits.
+struct InflightGuard {
+    state: Arc<WorkerState>,
+    samples: i64,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.state.inflight.fetch_sub(1, Ordering::SeqCst);
+        self.state.metrics.inflight_batches.dec();
+        self.state.metrics.inflight_samples.dec_by(self.samples);
+    }
+}
+
+pub struct DecodeWorker {
+    state: Arc<WorkerState>,
+    source: Option<S3Source>,
+    pool: Arc<rayon::ThreadPool>,
+    queue: Arc<Semaphore>,
+    limits: DecodeLimits,
+    max_batch_samples: usize,
+}
+
+impl DecodeWorker {
+    pub fn new(
+        state: Arc<WorkerState>,
+        source: Option<S3Source>,
+        pool: Arc<rayon::ThreadPool>,
+        queue_depth: usize,
+        limits: DecodeLimits,
+        max_batch_samples: usize,
+    ) -> Self {
+        state.metrics.pool_threads.set(pool.current_num_threads() as i64);
+        Self {
+            state,
+            source,
+            pool,
+            queue: Arc::new(Semaphore::new(queue_depth.max(1))),
+            limits,
+            max_batch_samples,
+        }
+    }
+
+    async fn fetch(&self, bucket: &str, s: proto::SampleRef) -> EncodedSample {
+        let data = if !s.inline.is_empty() {
+            self.state.metrics.bytes_in.inc_by(s.inline.len() as u64);
+            Ok(s.inline)
+        } else {
+            match &self.source {
+                Some(src) => src.get(bucket, &s.key).await.map_err(|e| {
+                    tracing::warn!(key = %s.key, reason = %e.skip_reason(), error = %e, "skipping sample");
+                    e.skip_reason()
+                }),
+                None => {
+                    tracing::warn!(key = %s.key, "no S3 source configured; skipping sample");
+                    Err(crate::decode::SkipReason::S3Error)
+                }
+            }
+        };
+        EncodedSample {
+            key: s.key,
+            metadata: s.metadata,
+            data,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl DecodeService for DecodeWorker {
+    async fn decode_batch(
+        &self,
+        request: Request<proto::DecodeBatchRequest>,
+    ) -> Result<Response<proto::DecodeBatchReply>, Status> {
+        let t0 = Instant::now();
+        let metrics = &self.state.metrics;
+        if self.state.is_draining() {
+            metrics.reject("draining");
+            return Err(Status::unavailable("worker is draining"));
+        }
+        // Push back instead of buffering: the caller picks another worker or waits.
+        let Ok(permit) = self.queue.clone().try_acquire_owned() else {
+            metrics.reject("queue_full");
+            return Err(Status::resource_exhausted("decode queue full"));
+        };
+        let req = request.into_inner();
+        if req.samples.len() > self.max_batch_samples {
+            return Err(Status::invalid_argument(format!(
+                "{} samples in one batch; the limit is {}",
+                req.samples.len(),
+                self.max_batch_samples
+            )));
+        }
+        let transform = transform_from_proto(req.transform.as_ref())
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let n = req.samples.len() as i64;
+        self.state.inflight.fetch_add(1, Ordering::SeqCst);
+        metrics.inflight_batches.inc();
+        metrics.inflight_samples.inc_by(n);
+        let _guard = InflightGuard {
+            state: self.state.clone(),
+            samples: n,
+        };
+        metrics.samples_in.inc_by(n as u64);
+
+        let t_get = Instant::now();
+        let bucket = req.bucket;
+        let encoded: Vec<EncodedSample> =
+            join_all(req.samples.into_iter().map(|s| self.fetch(&bucket, s))).await;
+        let get_us = t_get.elapsed().as_micros() as u64;
+
+        let (tx, rx) = oneshot::channel();
+        let limits = self.limits;
+        let queued_at = Instant::now();
+        self.pool.spawn(move || {
+            let queue_wait = queued_at.elapsed();
+            // A panic in a decoder must cost one batch, not the worker.
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                decode_batch(&encoded, &transform, &limits)
+            }));
+            let _ = tx.send((result, queue_wait));
+        });
+        let (result, queue_wait) = rx
+            .await
+            .map_err(|_| Status::internal("decode pool dropped the batch"))?;
+        let batch = result.map_err(|_| {
+            tracing::error!("decoder panicked; batch failed");
+            Status::internal("decoder panicked")
+        })?;
+        drop(permit);
+
+        let t_pack = Instant::now();
+        let tm = batch.timings;
+        metrics
+            .busy_seconds
+            .inc_by((tm.decode_cpu + tm.resize_cpu + tm.pack_wall).as_secs_f64());
+        for s in &batch.samples {
+            match s.skip {
+                Some(r) => metrics.skip(r),
+                None => {
+                    metrics.samples_out.inc();
+                }
+            }
+        }
+        metrics.bytes_out.inc_by(batch.pixels.len() as u64);
+        let decoded = batch.decoded_count().max(1) as u32;
+        metrics.observe_stage("decode", tm.decode_cpu / decoded);
+        metrics.observe_stage("resize", tm.resize_cpu / decoded);
+        let samples: Vec<proto::SampleMeta> = batch.samples.into_iter().map(meta_to_proto).collect();
+        // Moves the buffer into the reply; no copy.
+        let pixels = Bytes::from(batch.pixels);
+        let pack = tm.pack_wall + t_pack.elapsed();
+        metrics.observe_stage("pack", pack);
+        let total = t0.elapsed();
+        metrics.batch_seconds.observe(total.as_secs_f64());
+        Ok(Response::new(proto::DecodeBatchReply {
+            batch_id: req.batch_id,
+            pixels,
+            samples,
+            timings: Some(proto::StageTimings {
+                queue_us: queue_wait.as_micros() as u64,
+                get_us,
+                decode_us: tm.decode_wall.as_micros() as u64,
+                resize_us: 0,
+                pack_us: pack.as_micros() as u64,
+                total_us: total.as_micros() as u64,
+                decode_cpu_us: tm.decode_cpu.as_micros() as u64,
+                resize_cpu_us: tm.resize_cpu.as_micros() as u64,
+            }),
+        }))
+    }
+}

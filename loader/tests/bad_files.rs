@@ -1,0 +1,130 @@
+//! A corpus of bad files through a real worker: each is skipped with the right reason, the
+//! worker keeps serving, and a decompression bomb does not cost memory.
+
+mod common;
+
+use common::*;
+use stoker_loader::proto;
+
+fn png_bomb(w: u32, h: u32) -> Vec<u8> {
+    // A valid signature and IHDR claiming w x h RGB, then one tiny IDAT and IEND.
+    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut ihdr = Vec::new();
+    ihdr.extend_from_slice(&w.to_be_bytes());
+    ihdr.extend_from_slice(&h.to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    chunk(&mut out, b"IHDR", &ihdr);
+    chunk(&mut out, b"IDAT", &[0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01]);
+    chunk(&mut out, b"IEND", &[]);
+    out
+}
+
+fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    out.extend_from_slice(kind);
+    out.extend_from_slice(data);
+    out.extend_from_slice(&[0, 0, 0, 0]); // CRC: the size guard runs before any CRC check
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn inline(key: &str, data: Vec<u8>) -> proto::SampleRef {
+    proto::SampleRef {
+        key: key.into(),
+        metadata: String::new(),
+        inline: data.into(),
+    }
+}
+
+#[tokio::test]
+async fn bad_files_are_skipped_with_their_reason_and_the_worker_keeps_serving() {
+    let good = jpeg(640, 480);
+    let mut truncated = good.clone();
+    truncated.truncate(good.len() / 2);
+    // Flip bits throughout the entropy-coded data and the Huffman tables.
+    let mut flipped = good.clone();
+    let sos = flipped.windows(2).position(|w| w == [0xFF, 0xDA]).unwrap();
+    let dht = flipped.windows(2).position(|w| w == [0xFF, 0xC4]).unwrap();
+    for b in &mut flipped[dht + 5..dht + 21] {
+        *b ^= 0xFF;
+    }
+    for i in (sos + 20..flipped.len() - 2).step_by(97) {
+        flipped[i] ^= 0x5A;
+    }
+    let mut png_truncated = png(300, 200);
+    png_truncated.truncate(png_truncated.len() / 2);
+    let html = b"<!DOCTYPE html><html><head><title>503 Service Unavailable</title></head><body>Try again</body></html>".to_vec();
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("truncated.jpg", truncated, "truncated"),
+        ("flipped.jpg", flipped, "corrupt"),
+        ("empty.jpg", Vec::new(), "empty"),
+        ("error.html", html, "unsupported"),
+        ("notes.txt", b"just some text, not an image\n".to_vec(), "unsupported"),
+        ("bomb.png", png_bomb(60000, 60000), "too_large"),
+        ("truncated.png", png_truncated, "truncated"),
+        ("gif.gif", b"GIF89a\x01\x00\x01\x00\x00\x00\x00;".to_vec(), "unsupported"),
+    ];
+    let mut w = worker(None, 2).await;
+    let mut samples: Vec<proto::SampleRef> =
+        cases.iter().map(|(k, d, _)| inline(k, d.clone())).collect();
+    samples.push(inline("good.jpg", good.clone()));
+    let req = proto::DecodeBatchRequest {
+        batch_id: 1,
+        bucket: String::new(),
+        samples,
+        transform: Some(crop(224, 224)),
+    };
+    let reply = w.client.decode_batch(req).await.expect("the batch itself succeeds");
+    for ((key, _, reason), m) in cases.iter().zip(&reply.samples) {
+        assert_eq!(&m.key, key);
+        assert_eq!(m.skip_reason, *reason, "{key}");
+        assert_eq!((m.width, m.height), (0, 0), "{key}");
+    }
+    let last = reply.samples.last().unwrap();
+    assert_eq!(last.skip_reason, "");
+    assert_eq!(last.offset, 0, "skipped samples take no room");
+    assert_eq!(reply.pixels.len(), 224 * 224 * 3);
+
+    // Many bombs at once: no allocation of their claimed size (60000² x 3 = 10 GB each).
+    let before = rss_kib();
+    let bombs: Vec<proto::SampleRef> = (0..64)
+        .map(|i| inline(&format!("bomb{i}.png"), png_bomb(60000, 60000)))
+        .collect();
+    let reply = w
+        .client
+        .decode_batch(proto::DecodeBatchRequest {
+            batch_id: 2,
+            bucket: String::new(),
+            samples: bombs,
+            transform: Some(crop(224, 224)),
+        })
+        .await
+        .unwrap();
+    assert!(reply.samples.iter().all(|m| m.skip_reason == "too_large"));
+    let grown_mib = rss_kib().saturating_sub(before) / 1024;
+    assert!(grown_mib < 256, "RSS grew by {grown_mib} MiB");
+
+    // Still serving good batches afterwards.
+    let reply = w
+        .client
+        .decode_batch(proto::DecodeBatchRequest {
+            batch_id: 3,
+            bucket: String::new(),
+            samples: vec![inline("good.jpg", good)],
+            transform: Some(crop(224, 224)),
+        })
+        .await
+        .unwrap();
+    assert_eq!(reply.samples[0].skip_reason, "");
+    let text = metrics_text(&w).await;
+    assert_eq!(metric(&text, "stoker_loader_skips_total{reason=\"too_large\"}"), 65.0);
+    assert_eq!(metric(&text, "stoker_loader_skips_total{reason=\"unsupported\"}"), 3.0);
+    assert_eq!(metric(&text, "stoker_loader_samples_out_total"), 2.0);
+}

@@ -1,0 +1,203 @@
+//! Shared test support: image fixtures, the S3 server, an in-process decode worker.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use stoker_loader::metrics::LoaderMetrics;
+use stoker_loader::proto;
+use stoker_loader::source::{RetryPolicy, S3Config, S3Source, StaticCredentials};
+use stoker_loader::worker::{DecodeClient, DecodeServer, WorkerConfig, WorkerState};
+use stoker_testenv::s3::S3Server;
+
+pub const BUCKET: &str = "data";
+
+/// A smooth, asymmetric RGB test pattern: gradients plus a bright block in the top-left
+/// quadrant, so orientation and cropping mistakes show up as large pixel differences.
+pub fn pattern(w: u32, h: u32) -> Vec<u8> {
+    let mut out = Vec::with_capacity((w * h * 3) as usize);
+    for y in 0..h {
+        for x in 0..w {
+            let block = x < w / 4 && y < h / 4;
+            let r = if block { 250 } else { (x * 200 / w.max(1)) as u8 };
+            let g = (y * 200 / h.max(1)) as u8;
+            let b = (((x + y) * 255) / (w + h)) as u8;
+            out.extend_from_slice(&[r, g, b]);
+        }
+    }
+    out
+}
+
+pub fn jpeg(w: u32, h: u32) -> Vec<u8> {
+    jpeg_of(&pattern(w, h), w, h)
+}
+
+pub fn jpeg_of(rgb: &[u8], w: u32, h: u32) -> Vec<u8> {
+    let img = turbojpeg::Image {
+        pixels: rgb,
+        width: w as usize,
+        pitch: w as usize * 3,
+        height: h as usize,
+        format: turbojpeg::PixelFormat::RGB,
+    };
+    turbojpeg::compress(img, 92, turbojpeg::Subsamp::Sub2x2)
+        .expect("jpeg encode")
+        .to_vec()
+}
+
+pub fn png(w: u32, h: u32) -> Vec<u8> {
+    use image::ImageEncoder;
+    let mut out = Vec::new();
+    image::codecs::png::PngEncoder::new(&mut out)
+        .write_image(&pattern(w, h), w, h, image::ExtendedColorType::Rgb8)
+        .expect("png encode");
+    out
+}
+
+pub fn png_rgba(w: u32, h: u32, alpha: u8) -> Vec<u8> {
+    use image::ImageEncoder;
+    let rgb = pattern(w, h);
+    let rgba: Vec<u8> = rgb.chunks(3).flat_map(|p| [p[0], p[1], p[2], alpha]).collect();
+    let mut out = Vec::new();
+    image::codecs::png::PngEncoder::new(&mut out)
+        .write_image(&rgba, w, h, image::ExtendedColorType::Rgba8)
+        .expect("png encode");
+    out
+}
+
+pub fn webp(w: u32, h: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    image::codecs::webp::WebPEncoder::new_lossless(&mut out)
+        .encode(&pattern(w, h), w, h, image::ExtendedColorType::Rgb8)
+        .expect("webp encode");
+    out
+}
+
+pub fn s3_config(server: &S3Server) -> S3Config {
+    S3Config {
+        endpoint: Some(server.endpoint()),
+        region: Some("us-east-1".into()),
+        force_path_style: true,
+        credentials: Some(StaticCredentials {
+            access_key_id: server.access_key().into(),
+            secret_access_key: server.secret_key().into(),
+        }),
+        retry: RetryPolicy {
+            max_attempts: 12,
+            base: std::time::Duration::from_millis(5),
+            cap: std::time::Duration::from_millis(200),
+        },
+        ..S3Config::default()
+    }
+}
+
+pub async fn source(server: &S3Server) -> (S3Source, Arc<LoaderMetrics>) {
+    let metrics = Arc::new(LoaderMetrics::new());
+    (S3Source::connect(&s3_config(server), metrics.clone()).await, metrics)
+}
+
+/// An in-process worker on loopback ports; dropped with the test's runtime.
+pub struct TestWorker {
+    pub client: DecodeClient,
+    pub state: Arc<WorkerState>,
+    pub http: std::net::SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for TestWorker {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+pub async fn worker(server: Option<&S3Server>, threads: usize) -> TestWorker {
+    let config = WorkerConfig {
+        grpc_addr: "127.0.0.1:0".parse().unwrap(),
+        http_addr: "127.0.0.1:0".parse().unwrap(),
+        threads,
+        s3: server.map(s3_config),
+        ..WorkerConfig::default()
+    };
+    let srv = DecodeServer::bind(config).await.expect("bind");
+    let grpc = srv.grpc_addr().unwrap();
+    let http = srv.http_addr().unwrap();
+    let state = srv.state.clone();
+    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = srv
+            .serve(async {
+                let _ = stop_rx.await;
+            })
+            .await;
+    });
+    let client = DecodeClient::connect(format!("http://{grpc}")).await.expect("connect");
+    TestWorker {
+        client,
+        state,
+        http,
+        stop: Some(stop),
+    }
+}
+
+pub fn request(keys: &[&str], transform: proto::Transform) -> proto::DecodeBatchRequest {
+    proto::DecodeBatchRequest {
+        batch_id: 1,
+        bucket: BUCKET.into(),
+        samples: keys
+            .iter()
+            .map(|k| proto::SampleRef {
+                key: (*k).into(),
+                ..Default::default()
+            })
+            .collect(),
+        transform: Some(transform),
+    }
+}
+
+pub fn crop(w: u32, h: u32) -> proto::Transform {
+    proto::Transform {
+        mode: proto::transform::Mode::Crop as i32,
+        width: w,
+        height: h,
+        ..Default::default()
+    }
+}
+
+/// Reads one value from the Prometheus text of `metrics`, by exact series name with labels.
+pub fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
+        .unwrap_or(0.0)
+}
+
+/// Mean absolute difference of two equally sized buffers.
+pub fn mean_abs_diff(a: &[u8], b: &[u8]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let sum: u64 = a.iter().zip(b).map(|(x, y)| u64::from(x.abs_diff(*y))).sum();
+    sum as f64 / a.len() as f64
+}
+
+/// A plain HTTP/1.1 GET; returns status and body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.unwrap();
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+/// GETs the worker's /metrics.
+pub async fn metrics_text(w: &TestWorker) -> String {
+    http_get(w.http, "/metrics").await.1
+}
