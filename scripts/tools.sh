@@ -55,7 +55,8 @@ for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 
 build etcd "" go.etcd.io/etcd/server/v3
-[ -e "$bin/etcd" ] || ln -sfn "$bin/v3" "$bin/etcd"
+# Go names the etcd server binary after its module directory.
+ln -sfn "$(cache_dir etcd)/server" "$bin/etcd" && rm -f "$bin/server"
 build kwok "" sigs.k8s.io/kwok/cmd/kwok
 build helm "" helm.sh/helm/v3/cmd/helm
 build k8s "$k8s_ldflags" \

@@ -1,7 +1,11 @@
 //! Real components for stoker's tests and the local cluster.
 //!
 //! - [`cluster`]: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the KWOK
-//!   controller on loopback, with simulated GPU and CPU nodes.
+//!   controller on loopback, with simulated GPU and CPU nodes ([`nodes`]).
 //! - [`s3`]: an S3 server (the `s3s-fs` crate) on loopback with signatures checked.
 
+pub mod certs;
+pub mod cluster;
+pub mod nodes;
+pub mod process;
 pub mod s3;
