@@ -1,0 +1,692 @@
+//! `DataPipeline` (stoker.dev/v1alpha1): spec, status and the CEL rules the API server enforces.
+//!
+//! Every string and list has a bound so that the CEL rules pass the API server's cost check; each
+//! cross-field rule carries a message that names the field a user has to fix.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use kube::KubeSchema;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A declarative data-loading pipeline: where the images live, how they are decoded and batched,
+/// and the decoder fleet that feeds the trainer pods labelled `stoker.dev/pipeline: <name>`.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "stoker.dev",
+    version = "v1alpha1",
+    kind = "DataPipeline",
+    plural = "datapipelines",
+    singular = "datapipeline",
+    shortname = "dp",
+    namespaced,
+    cel,
+    status = "DataPipelineStatus",
+    derive = "PartialEq",
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(
+        name = "Decoders",
+        type_ = "integer",
+        description = "Ready decoder pods",
+        json_path = ".status.decoders.ready"
+    ),
+    printcolumn(
+        name = "Desired",
+        type_ = "integer",
+        description = "Decoder pods wanted",
+        json_path = ".status.decoders.desired"
+    ),
+    printcolumn(
+        name = "Trainers",
+        type_ = "integer",
+        description = "Trainer pods with the loader sidecar",
+        json_path = ".status.trainers.injected"
+    ),
+    printcolumn(
+        name = "Data-Wait",
+        type_ = "number",
+        description = "Share of trainer wall time spent waiting for data (%)",
+        json_path = ".status.observed.dataWaitPercent"
+    ),
+    printcolumn(
+        name = "Samples/s",
+        type_ = "number",
+        description = "Samples delivered to the trainers per second",
+        json_path = ".status.observed.samplesPerSecond"
+    ),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = kube::core::Rule::new("self.metadata.name.size() <= 40 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')").message("metadata.name must be a DNS label of at most 40 characters starting with a letter: it prefixes the decoder pods, Service and labels")
+)]
+#[x_kube(
+    validation = kube::core::Rule::new(
+        "self.autoscaling.mode != 'off' || (has(self.autoscaling.replicas) && self.autoscaling.replicas >= self.decoders.minReplicas && self.autoscaling.replicas <= self.decoders.maxReplicas)"
+    ).message("autoscaling.replicas is required when autoscaling.mode is off and must lie between decoders.minReplicas and decoders.maxReplicas").field_path(".autoscaling.replicas"),
+    validation = kube::core::Rule::new(
+        "quantity(self.trainer.sharedMemory).compareTo(quantity(string(self.trainer.prefetchBatches * self.batch.size * (self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0)) * 3))) >= 0"
+    ).message("trainer.sharedMemory is too small: it must hold trainer.prefetchBatches × batch.size × (width × height, or maxPixels) × 3 bytes").field_path(".trainer.sharedMemory")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct DataPipelineSpec {
+    /// Where the samples live.
+    pub source: Source,
+    /// How each image is resized before batching.
+    pub transform: Transform,
+    /// How samples are grouped; immutable because running trainers' epoch plans depend on it.
+    #[x_kube(validation = kube::core::Rule::new("self == oldSelf").message("batch is immutable: running trainers' epoch order depends on it; create a new DataPipeline instead"))]
+    pub batch: Batch,
+    /// The trainer side: prefetch depth, shared-memory ring, GPU placement.
+    #[serde(default)]
+    pub trainer: Trainer,
+    /// The decoder fleet the operator runs.
+    #[serde(default)]
+    pub decoders: Decoders,
+    /// How the decoder count is chosen.
+    #[serde(default)]
+    pub autoscaling: Autoscaling,
+}
+
+/// The data source.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Source {
+    pub s3: S3Source,
+    /// Optional manifest object (`s3://bucket/key.jsonl`): one sample key plus caption/label per line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 6, max = 1100))]
+    #[x_kube(validation = kube::core::Rule::new("self.startsWith('s3://')").message("source.manifest must be an s3:// URL, e.g. s3://bucket/train.jsonl"))]
+    pub manifest: Option<String>,
+}
+
+/// An S3 (or S3-compatible) bucket and prefix.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct S3Source {
+    /// Bucket name; immutable, since a trainer mid-epoch cannot switch datasets.
+    #[schemars(length(min = 3, max = 63), regex(pattern = r"^[a-z0-9][a-z0-9.\-]*[a-z0-9]$"))]
+    #[x_kube(validation = kube::core::Rule::new("self == oldSelf").message("source.s3.bucket is immutable: create a new DataPipeline for another dataset"))]
+    pub bucket: String,
+    /// Key prefix of the samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub prefix: Option<String>,
+    /// Endpoint URL for S3-compatible stores (MinIO, Ceph); AWS when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 8, max = 2048))]
+    #[x_kube(validation = kube::core::Rule::new("self.startsWith('http://') || self.startsWith('https://')").message("source.s3.endpoint must start with http:// or https://"))]
+    pub endpoint: Option<String>,
+    /// Region, e.g. us-east-1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64), regex(pattern = r"^[a-z0-9\-]+$"))]
+    pub region: Option<String>,
+    /// Path-style addressing (`endpoint/bucket/key`), needed by most S3-compatible stores.
+    #[serde(default)]
+    pub force_path_style: bool,
+    /// Secret holding `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY` (and optionally
+    /// `AWS_SESSION_TOKEN`); exposed as environment to decoders and sidecars.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret_ref: Option<SecretRef>,
+}
+
+/// A Secret in the pipeline's namespace.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct SecretRef {
+    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"))]
+    pub name: String,
+}
+
+/// Per-sample transform.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Transform {
+    pub resize: Resize,
+}
+
+/// How an image is brought to the model's input size.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = kube::core::Rule::new("self.mode == 'qwenSmart' || (has(self.width) && has(self.height))").message("transform.resize.width and transform.resize.height are required for mode crop and fit"),
+    validation = kube::core::Rule::new("self.mode != 'qwenSmart' || (!has(self.width) && !has(self.height))").message("transform.resize.width and height do not apply to mode qwenSmart: use minPixels and maxPixels"),
+    validation = kube::core::Rule::new("self.mode == 'qwenSmart' || (!has(self.patchFactor) && !has(self.minPixels) && !has(self.maxPixels))").message("transform.resize.patchFactor, minPixels and maxPixels apply only to mode qwenSmart"),
+    validation = kube::core::Rule::new("self.mode != 'qwenSmart' || (has(self.minPixels) && has(self.maxPixels) && self.minPixels <= self.maxPixels)").message("mode qwenSmart needs transform.resize.minPixels <= transform.resize.maxPixels"),
+)]
+pub struct Resize {
+    pub mode: ResizeMode,
+    /// Output width in pixels (crop, fit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 8192))]
+    pub width: Option<i64>,
+    /// Output height in pixels (crop, fit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 8192))]
+    pub height: Option<i64>,
+    /// qwenSmart: both sides are rounded to a multiple of this (the ViT patch size × merge size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 256))]
+    pub patch_factor: Option<i64>,
+    /// qwenSmart: lower bound on width × height after resizing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 67108864))]
+    pub min_pixels: Option<i64>,
+    /// qwenSmart: upper bound on width × height after resizing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 67108864))]
+    pub max_pixels: Option<i64>,
+}
+
+impl Default for Resize {
+    fn default() -> Self {
+        Self {
+            mode: ResizeMode::Crop,
+            width: Some(224),
+            height: Some(224),
+            patch_factor: None,
+            min_pixels: None,
+            max_pixels: None,
+        }
+    }
+}
+
+/// Resize mode.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum ResizeMode {
+    /// Scale the short side to fit, then center-crop to width × height.
+    Crop,
+    /// Scale to fit inside width × height, padding the rest.
+    Fit,
+    /// Qwen2/3-VL "smart resize": keep the aspect ratio, round to patchFactor, clamp pixels.
+    QwenSmart,
+}
+
+/// Batching.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Batch {
+    /// Samples per batch.
+    #[schemars(range(min = 1, max = 65536))]
+    pub size: i64,
+    /// Seed of the per-epoch shuffle; the order is a pure function of (seed, epoch, rank, world size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 9007199254740991_i64))]
+    pub shuffle_seed: Option<i64>,
+    /// Drop the last incomplete batch of an epoch.
+    #[serde(default)]
+    pub drop_last: bool,
+}
+
+/// The trainer side of the pipeline.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Trainer {
+    /// Batches the sidecar keeps decoded ahead of the trainer.
+    #[serde(default = "default_prefetch")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub prefetch_batches: i64,
+    /// Size of the memory-backed shared-memory ring (a Kubernetes quantity, e.g. 2Gi);
+    /// immutable because injected pods already carry it.
+    #[serde(default = "default_shm")]
+    #[schemars(length(min = 1, max = 32))]
+    #[x_kube(
+        validation = kube::core::Rule::new("isQuantity(self)").message("trainer.sharedMemory must be a quantity such as 2Gi"),
+        validation = kube::core::Rule::new("self == oldSelf").message("trainer.sharedMemory is immutable: trainer pods already have their ring sized; create a new DataPipeline"),
+    )]
+    pub shared_memory: String,
+    /// Where batches are placed for the trainer.
+    #[serde(default)]
+    pub gpu_placement: GpuPlacement,
+    /// ServiceAccount of the trainer pods: the operator grants it read access to decoder pods
+    /// so that the sidecar can discover them.
+    #[serde(default = "default_sa")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"))]
+    pub service_account_name: String,
+}
+
+impl Default for Trainer {
+    fn default() -> Self {
+        Self {
+            prefetch_batches: default_prefetch(),
+            shared_memory: default_shm(),
+            gpu_placement: GpuPlacement::default(),
+            service_account_name: default_sa(),
+        }
+    }
+}
+
+fn default_prefetch() -> i64 {
+    4
+}
+fn default_shm() -> String {
+    "1Gi".into()
+}
+fn default_sa() -> String {
+    "default".into()
+}
+
+/// Batch placement on the trainer.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum GpuPlacement {
+    /// Copy to the GPU when one is visible to the sidecar, else hand over host memory.
+    #[default]
+    Auto,
+    /// Always hand over host (shared) memory; the trainer copies.
+    Host,
+    /// Pinned ring plus device copy by the sidecar; fails without a GPU.
+    Device,
+}
+
+/// The decoder fleet.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("self.minReplicas <= self.maxReplicas").message("decoders.minReplicas must not exceed decoders.maxReplicas"))]
+pub struct Decoders {
+    #[serde(default = "default_min")]
+    #[schemars(range(min = 0, max = 2000))]
+    pub min_replicas: i32,
+    #[serde(default = "default_max")]
+    #[schemars(range(min = 1, max = 2000))]
+    pub max_replicas: i32,
+    /// Loader image; the operator's default when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub image: Option<String>,
+    /// Resources of each decoder pod (default: 1 CPU, 1Gi requested).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 32))]
+    pub node_selector: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub tolerations: Vec<Toleration>,
+    #[serde(default)]
+    pub spread: Spread,
+    /// How long a decoder taken out of discovery keeps serving in-flight batches before deletion.
+    #[serde(default = "default_drain")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub drain_seconds: i32,
+}
+
+impl Default for Decoders {
+    fn default() -> Self {
+        Self {
+            min_replicas: default_min(),
+            max_replicas: default_max(),
+            image: None,
+            resources: None,
+            node_selector: BTreeMap::new(),
+            tolerations: Vec::new(),
+            spread: Spread::default(),
+            drain_seconds: default_drain(),
+        }
+    }
+}
+
+fn default_min() -> i32 {
+    1
+}
+fn default_max() -> i32 {
+    16
+}
+fn default_drain() -> i32 {
+    30
+}
+
+/// How decoders are spread over nodes.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Spread {
+    /// Most pods one topology domain may have over the least loaded one.
+    #[serde(default = "default_skew")]
+    #[schemars(range(min = 1, max = 100))]
+    pub max_skew: i32,
+    /// Also spread evenly over `topology.kubernetes.io/zone`.
+    #[serde(default)]
+    pub zones: bool,
+}
+
+impl Default for Spread {
+    fn default() -> Self {
+        Self {
+            max_skew: default_skew(),
+            zones: false,
+        }
+    }
+}
+
+fn default_skew() -> i32 {
+    1
+}
+
+/// Decoder autoscaling.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = kube::core::Rule::new("self.mode == 'off' || !has(self.replicas)").message("autoscaling.replicas applies only when autoscaling.mode is off"),
+    validation = kube::core::Rule::new("self.maxScaleUpStep >= 1 && self.maxScaleDownStep >= 1").message("autoscaling.maxScaleUpStep and maxScaleDownStep must be at least 1"),
+)]
+pub struct Autoscaling {
+    #[serde(default)]
+    pub mode: AutoscalingMode,
+    /// Fixed decoder count when mode is off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 2000))]
+    pub replicas: Option<i32>,
+    /// Share of wall time a trainer may wait for data before the fleet grows.
+    #[serde(default = "default_wait")]
+    #[schemars(range(min = 1, max = 100))]
+    pub target_data_wait_percent: i32,
+    /// No node's NIC is pushed past this utilization.
+    #[serde(default = "default_nic")]
+    #[schemars(range(min = 1, max = 100))]
+    pub max_nic_utilization_percent: i32,
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 3600))]
+    pub scale_up_stabilization_seconds: i32,
+    #[serde(default = "default_down_window")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub scale_down_stabilization_seconds: i32,
+    /// Most decoders added in one decision.
+    #[serde(default = "default_step")]
+    #[schemars(range(min = 1, max = 2000))]
+    pub max_scale_up_step: i32,
+    /// Most decoders removed in one decision.
+    #[serde(default = "default_step")]
+    #[schemars(range(min = 1, max = 2000))]
+    pub max_scale_down_step: i32,
+}
+
+impl Default for Autoscaling {
+    fn default() -> Self {
+        Self {
+            mode: AutoscalingMode::default(),
+            replicas: None,
+            target_data_wait_percent: default_wait(),
+            max_nic_utilization_percent: default_nic(),
+            scale_up_stabilization_seconds: 0,
+            scale_down_stabilization_seconds: default_down_window(),
+            max_scale_up_step: default_step(),
+            max_scale_down_step: default_step(),
+        }
+    }
+}
+
+fn default_wait() -> i32 {
+    5
+}
+fn default_nic() -> i32 {
+    80
+}
+fn default_down_window() -> i32 {
+    300
+}
+fn default_step() -> i32 {
+    8
+}
+
+/// Whether the autoscaler acts.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum AutoscalingMode {
+    /// Scale between decoders.minReplicas and maxReplicas.
+    #[default]
+    Auto,
+    /// Compute and report decisions in status and Events, but keep decoders.minReplicas.
+    Recommend,
+    /// Keep autoscaling.replicas decoders.
+    Off,
+}
+
+/// Observed state of a DataPipeline.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DataPipelineStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Ready, Degraded, and the autoscaler's Starved, NetworkSaturated, S3Throttled, MetricsUnavailable.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub conditions: Vec<Condition>,
+    #[serde(default)]
+    pub decoders: DecoderFleetStatus,
+    #[serde(default)]
+    pub trainers: TrainerStatus,
+    /// Signals the autoscaler read last.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed: Option<ObservedSignals>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale: Option<ScaleRecord>,
+}
+
+/// Decoder pods.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DecoderFleetStatus {
+    pub desired: i32,
+    pub ready: i32,
+    /// Pods taken out of discovery, waiting for their drain period to end.
+    pub draining: i32,
+    /// Distinct nodes running a ready decoder.
+    pub nodes: i32,
+}
+
+/// Trainer pods that opted in with `stoker.dev/pipeline`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct TrainerStatus {
+    /// Trainer pods seen (not terminated).
+    pub pods: i32,
+    /// Of those, pods carrying the loader sidecar.
+    pub injected: i32,
+    /// World size the trainers declare (largest `stoker.dev/world-size` seen), else the pod count.
+    pub world_size: i32,
+}
+
+/// Signals read from Prometheus.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ObservedSignals {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_wait_percent: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_utilization_percent: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_per_second: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_nic_utilization_percent: Option<f64>,
+}
+
+/// The last change of the decoder count and why.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ScaleRecord {
+    pub time: Time,
+    pub from: i32,
+    pub to: i32,
+    #[schemars(length(max = 1024))]
+    pub reason: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CROP: &str = include_str!("../../tests/fixtures/datapipeline-crop.yaml");
+    const QWEN: &str = include_str!("../../tests/fixtures/datapipeline-qwen.yaml");
+
+    fn crop() -> DataPipeline {
+        serde_yaml::from_str(CROP).expect("fixture parses")
+    }
+
+    fn qwen() -> DataPipeline {
+        serde_yaml::from_str(QWEN).expect("fixture parses")
+    }
+
+    /// The CEL message the object is rejected with (creation rules).
+    fn rejected(dp: &DataPipeline) -> String {
+        match dp.validate_cel() {
+            Ok(()) => panic!("expected a CEL rejection for {:#?}", dp.spec),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    fn rejected_update(new: &DataPipeline, old: &DataPipeline) -> String {
+        match new.validate_cel_update(old) {
+            Ok(()) => panic!("expected a CEL rejection of the update"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn fixtures_pass_every_rule() {
+        crop().validate_cel().expect("crop fixture is valid");
+        qwen().validate_cel().expect("qwen fixture is valid");
+        crop()
+            .validate_cel_update(&crop())
+            .expect("unchanged update is valid");
+    }
+
+    #[test]
+    fn name_must_be_a_short_dns_label() {
+        let mut dp = crop();
+        dp.metadata.name = Some("a".repeat(41));
+        assert!(rejected(&dp).contains("metadata.name"));
+        dp.metadata.name = Some("9lives".into());
+        assert!(rejected(&dp).contains("metadata.name"));
+    }
+
+    #[test]
+    fn min_replicas_must_not_exceed_max() {
+        let mut dp = crop();
+        dp.spec.decoders.min_replicas = 10;
+        dp.spec.decoders.max_replicas = 5;
+        assert!(rejected(&dp).contains("decoders.minReplicas must not exceed"));
+    }
+
+    #[test]
+    fn crop_needs_width_and_height() {
+        let mut dp = crop();
+        dp.spec.transform.resize.height = None;
+        assert!(rejected(&dp).contains("width and transform.resize.height are required"));
+    }
+
+    #[test]
+    fn qwen_smart_rejects_width() {
+        let mut dp = qwen();
+        dp.spec.transform.resize.width = Some(448);
+        assert!(rejected(&dp).contains("do not apply to mode qwenSmart"));
+    }
+
+    #[test]
+    fn patch_factor_only_for_qwen_smart() {
+        let mut dp = crop();
+        dp.spec.transform.resize.patch_factor = Some(28);
+        assert!(rejected(&dp).contains("apply only to mode qwenSmart"));
+    }
+
+    #[test]
+    fn qwen_smart_needs_ordered_pixel_bounds() {
+        let mut dp = qwen();
+        dp.spec.transform.resize.min_pixels = Some(2_000_000);
+        assert!(rejected(&dp).contains("minPixels <= transform.resize.maxPixels"));
+        dp.spec.transform.resize.min_pixels = None;
+        assert!(rejected(&dp).contains("minPixels <= transform.resize.maxPixels"));
+    }
+
+    #[test]
+    fn manifest_must_be_s3_url() {
+        let mut dp = crop();
+        dp.spec.source.manifest = Some("https://example.com/train.jsonl".into());
+        assert!(rejected(&dp).contains("source.manifest must be an s3:// URL"));
+    }
+
+    #[test]
+    fn endpoint_must_be_http() {
+        let mut dp = crop();
+        dp.spec.source.s3.endpoint = Some("minio.storage:9000".into());
+        assert!(rejected(&dp).contains("source.s3.endpoint must start with"));
+    }
+
+    #[test]
+    fn shared_memory_must_be_a_quantity() {
+        let mut dp = crop();
+        dp.spec.trainer.shared_memory = "lots".into();
+        assert!(rejected(&dp).contains("trainer.sharedMemory must be a quantity"));
+    }
+
+    #[test]
+    fn shared_memory_must_hold_the_prefetched_batches() {
+        let mut dp = crop();
+        // 8 batches × 32 × 448 × 448 × 3 bytes ≈ 147 MiB.
+        dp.spec.trainer.shared_memory = "100Mi".into();
+        assert!(rejected(&dp).contains("trainer.sharedMemory is too small"));
+        dp.spec.trainer.shared_memory = "148Mi".into();
+        dp.validate_cel().expect("148Mi holds 147 MiB");
+        let mut q = qwen();
+        q.spec.trainer.shared_memory = "128Mi".into();
+        assert!(rejected(&q).contains("trainer.sharedMemory is too small"));
+    }
+
+    #[test]
+    fn fixed_replicas_required_when_autoscaling_off() {
+        let mut dp = qwen();
+        dp.spec.autoscaling.replicas = None;
+        assert!(rejected(&dp).contains("autoscaling.replicas is required"));
+        dp.spec.autoscaling.replicas = Some(9);
+        assert!(rejected(&dp).contains("must lie between decoders.minReplicas"));
+    }
+
+    #[test]
+    fn fixed_replicas_only_when_autoscaling_off() {
+        let mut dp = crop();
+        dp.spec.autoscaling.replicas = Some(4);
+        assert!(rejected(&dp).contains("applies only when autoscaling.mode is off"));
+    }
+
+    #[test]
+    fn scale_steps_are_positive() {
+        let mut dp = crop();
+        dp.spec.autoscaling.max_scale_down_step = 0;
+        assert!(rejected(&dp).contains("must be at least 1"));
+    }
+
+    #[test]
+    fn batch_is_immutable() {
+        let old = crop();
+        let mut new = crop();
+        new.spec.batch.size = 64;
+        assert!(rejected_update(&new, &old).contains("batch is immutable"));
+    }
+
+    #[test]
+    fn bucket_is_immutable() {
+        let old = crop();
+        let mut new = crop();
+        new.spec.source.s3.bucket = "other-bucket".into();
+        assert!(rejected_update(&new, &old).contains("source.s3.bucket is immutable"));
+    }
+
+    #[test]
+    fn shared_memory_is_immutable() {
+        let old = crop();
+        let mut new = crop();
+        new.spec.trainer.shared_memory = "4Gi".into();
+        assert!(rejected_update(&new, &old).contains("trainer.sharedMemory is immutable"));
+    }
+
+    #[test]
+    fn scaling_fields_stay_mutable() {
+        let old = crop();
+        let mut new = crop();
+        new.spec.decoders.min_replicas = 10;
+        new.validate_cel_update(&old).expect("scaling is allowed");
+    }
+}

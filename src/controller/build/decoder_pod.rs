@@ -1,0 +1,219 @@
+//! One decoder pod. The operator owns decoders individually (no Deployment) so that a scale change
+//! never restarts a healthy decoder and scale-down can choose which pods go.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
+    EnvFromSource, EnvVar, HTTPGetAction, Pod, PodSecurityContext, PodSpec, Probe,
+    ResourceRequirements, SeccompProfile, SecretEnvSource, SecurityContext,
+    TopologySpreadConstraint, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::ResourceExt;
+use sha2::{Digest, Sha256};
+
+use super::{
+    BuildDefaults, CONFIG_DIR, CONFIG_FILE, DECODER_GRPC_PORT, DECODER_METRICS_PORT, child_meta,
+    config_map_name, decoder_selector_labels,
+};
+use crate::api::{DataPipeline, LABEL_DRAINING, LABEL_ROLE, LABEL_TEMPLATE_HASH, ROLE_DECODER};
+
+pub const DECODER_CONTAINER: &str = "decoder";
+const HOSTNAME_KEY: &str = "kubernetes.io/hostname";
+const ZONE_KEY: &str = "topology.kubernetes.io/zone";
+
+/// The restricted container security context (Pod Security Standard "restricted").
+pub fn restricted_security_context() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".to_string()]),
+            ..Capabilities::default()
+        }),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_string(),
+            ..SeccompProfile::default()
+        }),
+        ..SecurityContext::default()
+    }
+}
+
+fn default_resources() -> ResourceRequirements {
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".to_string(), Quantity("1".to_string())),
+            ("memory".to_string(), Quantity("1Gi".to_string())),
+        ])),
+        ..ResourceRequirements::default()
+    }
+}
+
+/// S3 credentials, as environment, for decoders and sidecars.
+pub fn credentials_env_from(dp: &DataPipeline) -> Option<Vec<EnvFromSource>> {
+    dp.spec.source.s3.credentials_secret_ref.as_ref().map(|s| {
+        vec![EnvFromSource {
+            secret_ref: Some(SecretEnvSource {
+                name: s.name.clone(),
+                optional: Some(false),
+            }),
+            ..EnvFromSource::default()
+        }]
+    })
+}
+
+fn spread_constraint(pipeline: &str, key: &str, max_skew: i32) -> TopologySpreadConstraint {
+    TopologySpreadConstraint {
+        topology_key: key.to_string(),
+        max_skew,
+        when_unsatisfiable: "DoNotSchedule".to_string(),
+        label_selector: Some(LabelSelector {
+            match_labels: Some(decoder_selector_labels(pipeline)),
+            ..LabelSelector::default()
+        }),
+        // Count only nodes decoders may land on: those matching the node selector and whose
+        // taints the decoders tolerate (GPU nodes would otherwise hold the skew at zero).
+        node_affinity_policy: Some("Honor".to_string()),
+        node_taints_policy: Some("Honor".to_string()),
+        ..TopologySpreadConstraint::default()
+    }
+}
+
+/// The pod spec every decoder of the pipeline shares (names and hash excluded).
+pub fn decoder_pod_spec(dp: &DataPipeline, defaults: &BuildDefaults) -> PodSpec {
+    let name = dp.name_any();
+    let d = &dp.spec.decoders;
+    let mut spread = vec![spread_constraint(&name, HOSTNAME_KEY, d.spread.max_skew)];
+    if d.spread.zones {
+        spread.push(spread_constraint(&name, ZONE_KEY, d.spread.max_skew));
+    }
+    let container = Container {
+        name: DECODER_CONTAINER.to_string(),
+        image: Some(d.image.clone().unwrap_or_else(|| defaults.loader_image.clone())),
+        args: Some(
+            [
+                "decode",
+                "--listen",
+                &format!("0.0.0.0:{DECODER_GRPC_PORT}"),
+                "--metrics",
+                &format!("0.0.0.0:{DECODER_METRICS_PORT}"),
+                "--config",
+                &format!("{CONFIG_DIR}/{CONFIG_FILE}"),
+            ]
+            .map(String::from)
+            .to_vec(),
+        ),
+        env: Some(vec![EnvVar {
+            name: "STOKER_PIPELINE".to_string(),
+            value: Some(name.clone()),
+            ..EnvVar::default()
+        }]),
+        env_from: credentials_env_from(dp),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some("grpc".to_string()),
+                container_port: DECODER_GRPC_PORT,
+                protocol: Some("TCP".to_string()),
+                ..ContainerPort::default()
+            },
+            ContainerPort {
+                name: Some("metrics".to_string()),
+                container_port: DECODER_METRICS_PORT,
+                protocol: Some("TCP".to_string()),
+                ..ContainerPort::default()
+            },
+        ]),
+        readiness_probe: Some(Probe {
+            http_get: Some(HTTPGetAction {
+                path: Some("/readyz".to_string()),
+                port: IntOrString::String("metrics".to_string()),
+                ..HTTPGetAction::default()
+            }),
+            period_seconds: Some(5),
+            failure_threshold: Some(2),
+            ..Probe::default()
+        }),
+        resources: Some(d.resources.clone().unwrap_or_else(default_resources)),
+        security_context: Some(restricted_security_context()),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: "config".to_string(),
+                mount_path: CONFIG_DIR.to_string(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            },
+            VolumeMount {
+                name: "tmp".to_string(),
+                mount_path: "/tmp".to_string(),
+                ..VolumeMount::default()
+            },
+        ]),
+        ..Container::default()
+    };
+    PodSpec {
+        containers: vec![container],
+        node_selector: (!d.node_selector.is_empty()).then(|| d.node_selector.clone()),
+        tolerations: (!d.tolerations.is_empty()).then(|| d.tolerations.clone()),
+        topology_spread_constraints: Some(spread),
+        automount_service_account_token: Some(false),
+        enable_service_links: Some(false),
+        restart_policy: Some("Always".to_string()),
+        termination_grace_period_seconds: Some(30),
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(65532),
+            run_as_group: Some(65532),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".to_string(),
+                ..SeccompProfile::default()
+            }),
+            ..PodSecurityContext::default()
+        }),
+        volumes: Some(vec![
+            Volume {
+                name: "config".to_string(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: config_map_name(&name),
+                    ..ConfigMapVolumeSource::default()
+                }),
+                ..Volume::default()
+            },
+            Volume {
+                name: "tmp".to_string(),
+                empty_dir: Some(EmptyDirVolumeSource::default()),
+                ..Volume::default()
+            },
+        ]),
+        ..PodSpec::default()
+    }
+}
+
+/// Short hash of the shared pod spec: tells which decoders were built from an older spec.
+pub fn template_hash(spec: &PodSpec) -> String {
+    let bytes = serde_json::to_vec(spec).unwrap_or_default();
+    let digest = Sha256::digest(&bytes);
+    digest[..5].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A decoder pod named `<pipeline>-decoder-<suffix>`.
+pub fn decoder_pod(dp: &DataPipeline, suffix: &str, defaults: &BuildDefaults) -> Pod {
+    let spec = decoder_pod_spec(dp, defaults);
+    let mut meta = child_meta(dp, format!("{}-decoder-{suffix}", dp.name_any()));
+    let labels = meta.labels.get_or_insert_with(BTreeMap::new);
+    labels.insert(LABEL_ROLE.to_string(), ROLE_DECODER.to_string());
+    labels.insert(LABEL_DRAINING.to_string(), "false".to_string());
+    labels.insert(LABEL_TEMPLATE_HASH.to_string(), template_hash(&spec));
+    labels.insert(
+        "app.kubernetes.io/name".to_string(),
+        "stoker-decoder".to_string(),
+    );
+    Pod {
+        metadata: meta,
+        spec: Some(spec),
+        status: None,
+    }
+}

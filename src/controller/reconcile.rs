@@ -1,0 +1,213 @@
+//! One reconcile: observe → validate → build → apply → status.
+
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
+use std::time::Instant;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::{Resource, ResourceExt};
+
+use super::build::{config_map, decoder_pod, network_policy, service, sidecar_rbac};
+use super::{Context, Error, FIELD_MANAGER, apply, fleet, status, trainers, validate};
+use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
+use crate::api::v1alpha1::AutoscalingMode;
+
+/// The pods of one pipeline, as listed from the API server (not a cache, so that a reconcile
+/// right after creating pods never creates them twice).
+pub struct Observed {
+    pub decoders: Vec<Pod>,
+    pub trainers: Vec<Pod>,
+}
+
+async fn observe(pods: &Api<Pod>, namespace: &str, name: &str) -> Result<Observed, Error> {
+    let list = pods
+        .list(&ListParams::default().labels(&format!("{LABEL_PIPELINE}={name}")))
+        .await
+        .map_err(|source| Error::Kube {
+            verb: "list",
+            kind: "Pod",
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            source,
+        })?;
+    let (decoders, trainers) = list
+        .items
+        .into_iter()
+        .partition(|p| p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_DECODER));
+    Ok(Observed { decoders, trainers })
+}
+
+/// Five lowercase alphanumerics, like the suffixes of generated names.
+fn pod_suffix() -> String {
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    let mut n = RandomState::new().hash_one(Instant::now());
+    (0..5)
+        .map(|_| {
+            let c = ALPHABET[(n % ALPHABET.len() as u64) as usize] as char;
+            n /= ALPHABET.len() as u64;
+            c
+        })
+        .collect()
+}
+
+fn scale_reason(dp: &DataPipeline) -> String {
+    match dp.spec.autoscaling.mode {
+        AutoscalingMode::Off => "autoscaling.mode is off: autoscaling.replicas".to_string(),
+        AutoscalingMode::Recommend => {
+            "autoscaling.mode is recommend: decoders.minReplicas".to_string()
+        }
+        AutoscalingMode::Auto => "no autoscaler signals yet: decoders.minReplicas".to_string(),
+    }
+}
+
+pub async fn reconcile(dp: Arc<DataPipeline>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let result = reconcile_inner(&dp, &ctx).await;
+    ctx.metrics.reconciled(started.elapsed().as_secs_f64());
+    result
+}
+
+async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Error> {
+    let name = dp.name_any();
+    let namespace = dp
+        .namespace()
+        .ok_or_else(|| Error::MissingNamespace(name.clone()))?;
+    if dp.meta().deletion_timestamp.is_some() {
+        // Children go with the pipeline through their owner references.
+        ctx.metrics.forget_pipeline(&namespace, &name);
+        return Ok(Action::await_change());
+    }
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
+    let now = Timestamp::now();
+
+    // observe
+    let observed = observe(&pods, &namespace, &name).await?;
+
+    // validate
+    let problems = validate::validate(&dp.spec, &ctx.defaults);
+
+    // build
+    let build_err = |kind| move |source| Error::Build {
+        kind,
+        name: name.clone(),
+        source,
+    };
+    let config = config_map::config_map(dp).map_err(build_err("ConfigMap"))?;
+    let svc = service::decoder_service(dp);
+    let policy = network_policy::network_policy(dp);
+    let role = sidecar_rbac::sidecar_role(dp);
+    let binding = sidecar_rbac::sidecar_role_binding(dp);
+    let desired = fleet::desired_replicas(&dp.spec, None);
+    let plan = if problems.is_empty() {
+        fleet::plan(
+            &observed.decoders,
+            usize::try_from(desired).unwrap_or(0),
+            u32::try_from(dp.spec.decoders.drain_seconds).unwrap_or(0),
+            now,
+        )
+    } else {
+        fleet::FleetPlan::default()
+    };
+
+    // apply
+    let client = &ctx.client;
+    apply::apply(client, &config, FIELD_MANAGER).await?;
+    apply::apply(client, &svc, FIELD_MANAGER).await?;
+    apply::apply(client, &policy, FIELD_MANAGER).await?;
+    apply::apply(client, &role, FIELD_MANAGER).await?;
+    apply::apply(client, &binding, FIELD_MANAGER).await?;
+    for _ in 0..plan.create {
+        let pod = decoder_pod::decoder_pod(dp, &pod_suffix(), &ctx.defaults);
+        apply::apply(client, &pod, FIELD_MANAGER).await?;
+    }
+    for pod_name in &plan.drain {
+        apply::drain(&pods, pod_name, FIELD_MANAGER, now).await?;
+    }
+    for pod_name in &plan.delete {
+        apply::delete(&pods, pod_name).await?;
+    }
+    let reference = dp.object_ref(&());
+    if plan.create > 0 || !plan.drain.is_empty() || plan.failed > 0 {
+        let note = format!(
+            "decoders: {desired} desired; created {}, draining {}, replaced {} failed",
+            plan.create,
+            plan.drain.len(),
+            plan.failed
+        );
+        publish(ctx, &reference, "ScaledDecoders", &note, EventType::Normal).await;
+    }
+
+    // status: count what the fleet is after this reconcile's changes settle
+    let mut fleet_status = fleet::fleet_status(&observed.decoders, desired);
+    let drained = i32::try_from(plan.drain.len()).unwrap_or(0);
+    fleet_status.draining += drained;
+    fleet_status.ready = (fleet_status.ready - drained).max(0);
+    let obs = status::Observation {
+        fleet: fleet_status,
+        trainers: trainers::trainer_status(&observed.trainers),
+        problems,
+        failed_replaced: plan.failed,
+        scale_reason: scale_reason(dp),
+    };
+    let new_status = status::desired_status(dp, obs, now);
+    ctx.metrics.fleet(
+        &namespace,
+        &dp.name_any(),
+        new_status.decoders.desired,
+        new_status.decoders.ready,
+        new_status.decoders.draining,
+    );
+    let was_ready = ready_status(dp.status.as_ref());
+    let is_ready = ready_status(Some(&new_status));
+    let api: Api<DataPipeline> = Api::namespaced(ctx.client.clone(), &namespace);
+    status::write(&api, dp, &new_status, FIELD_MANAGER).await?;
+    if was_ready != is_ready {
+        let (reason, kind) = if is_ready.as_deref() == Some("True") {
+            ("Ready", EventType::Normal)
+        } else {
+            ("NotReady", EventType::Warning)
+        };
+        let message = new_status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == status::READY)
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
+        publish(ctx, &reference, reason, &message, kind).await;
+    }
+    Ok(match plan.requeue_after {
+        Some(after) => Action::requeue(after.max(std::time::Duration::from_millis(200))),
+        None => Action::requeue(ctx.resync),
+    })
+}
+
+fn ready_status(status: Option<&crate::api::DataPipelineStatus>) -> Option<String> {
+    status?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == status::READY)
+        .map(|c| c.status.clone())
+}
+
+async fn publish(
+    ctx: &Context,
+    reference: &k8s_openapi::api::core::v1::ObjectReference,
+    reason: &str,
+    note: &str,
+    type_: EventType,
+) {
+    let event = Event {
+        type_,
+        reason: reason.to_string(),
+        note: Some(note.chars().take(1024).collect()),
+        action: "Reconcile".to_string(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, reference).await {
+        tracing::debug!(error = %e, "event not published");
+    }
+}

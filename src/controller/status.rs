@@ -1,0 +1,155 @@
+//! Status: computed purely from what was observed, written only when it changed.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+
+use super::Error;
+use crate::api::v1alpha1::{
+    AutoscalingMode, DataPipelineStatus, DecoderFleetStatus, ScaleRecord, TrainerStatus,
+};
+use crate::api::DataPipeline;
+
+pub const READY: &str = "Ready";
+pub const DEGRADED: &str = "Degraded";
+/// The autoscaler's conditions; it reports Unknown until it has read signals.
+pub const AUTOSCALER_CONDITIONS: [&str; 4] =
+    ["Starved", "NetworkSaturated", "S3Throttled", "MetricsUnavailable"];
+
+/// Sets a condition, keeping its transition time when the status did not change.
+pub fn set_condition(
+    conditions: &mut Vec<Condition>,
+    type_: &str,
+    status: &str,
+    reason: &str,
+    message: String,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    let previous = conditions.iter().position(|c| c.type_ == type_);
+    let last_transition_time = previous
+        .map(|i| &conditions[i])
+        .filter(|c| c.status == status)
+        .map_or(Time(now), |c| c.last_transition_time.clone());
+    let condition = Condition {
+        type_: type_.to_string(),
+        status: status.to_string(),
+        reason: reason.to_string(),
+        message,
+        observed_generation: generation,
+        last_transition_time,
+    };
+    match previous {
+        Some(i) => conditions[i] = condition,
+        None => conditions.push(condition),
+    }
+}
+
+/// What one reconcile saw and did, the inputs of the status.
+pub struct Observation {
+    pub fleet: DecoderFleetStatus,
+    pub trainers: TrainerStatus,
+    pub problems: Vec<String>,
+    pub failed_replaced: usize,
+    pub scale_reason: String,
+}
+
+/// The status the pipeline should have now.
+pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> DataPipelineStatus {
+    let previous = dp.status.clone().unwrap_or_default();
+    let generation = dp.meta().generation;
+    let mut conditions = previous.conditions.clone();
+    let fleet = obs.fleet;
+
+    let (ready, reason, message) = if !obs.problems.is_empty() {
+        ("False", "InvalidSpec", obs.problems.join("; "))
+    } else if fleet.ready >= fleet.desired {
+        (
+            "True",
+            "DecodersReady",
+            format!("{}/{} decoders ready on {} nodes", fleet.ready, fleet.desired, fleet.nodes),
+        )
+    } else {
+        (
+            "False",
+            "DecodersStarting",
+            format!("{}/{} decoders ready", fleet.ready, fleet.desired),
+        )
+    };
+    set_condition(&mut conditions, READY, ready, reason, message, generation, now);
+
+    let (degraded, reason, message) = if !obs.problems.is_empty() {
+        ("True", "InvalidSpec", obs.problems.join("; "))
+    } else if obs.failed_replaced > 0 {
+        (
+            "True",
+            "DecodersFailed",
+            format!("{} failed decoder pods were replaced", obs.failed_replaced),
+        )
+    } else {
+        ("False", "AsExpected", "no problems seen".to_string())
+    };
+    set_condition(&mut conditions, DEGRADED, degraded, reason, message, generation, now);
+
+    let (reason, message) = match dp.spec.autoscaling.mode {
+        AutoscalingMode::Off => ("AutoscalingOff", "autoscaling.mode is off"),
+        _ => ("NoSignals", "the autoscaler has not read any signals yet"),
+    };
+    for t in AUTOSCALER_CONDITIONS {
+        // Keep what the autoscaler wrote; only fill in conditions nobody has set.
+        if !conditions.iter().any(|c| c.type_ == t) || dp.spec.autoscaling.mode == AutoscalingMode::Off {
+            set_condition(&mut conditions, t, "Unknown", reason, message.to_string(), generation, now);
+        }
+    }
+
+    let last_scale = match previous.last_scale.clone() {
+        _ if previous.decoders.desired != fleet.desired && dp.status.is_some() => Some(ScaleRecord {
+            time: Time(now),
+            from: previous.decoders.desired,
+            to: fleet.desired,
+            reason: obs.scale_reason,
+        }),
+        kept => kept,
+    };
+    DataPipelineStatus {
+        observed_generation: generation,
+        conditions,
+        decoders: fleet,
+        trainers: obs.trainers,
+        observed: previous.observed,
+        last_scale,
+    }
+}
+
+/// Writes the status through the status subresource when it differs from what is stored.
+pub async fn write(
+    api: &Api<DataPipeline>,
+    dp: &DataPipeline,
+    status: &DataPipelineStatus,
+    field_manager: &str,
+) -> Result<bool, Error> {
+    if dp.status.as_ref() == Some(status) {
+        return Ok(false);
+    }
+    let body = json!({
+        "apiVersion": "stoker.dev/v1alpha1",
+        "kind": "DataPipeline",
+        "status": status,
+    });
+    api.patch_status(
+        &dp.name_any(),
+        &PatchParams::apply(field_manager).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .map_err(|source| Error::Kube {
+        verb: "patch status of",
+        kind: "DataPipeline",
+        namespace: dp.namespace().unwrap_or_default(),
+        name: dp.name_any(),
+        source,
+    })?;
+    Ok(true)
+}

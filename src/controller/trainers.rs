@@ -1,0 +1,47 @@
+//! The pipeline's trainer pods, as status reports them. Pure.
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+
+use crate::api::v1alpha1::TrainerStatus;
+use crate::api::{ANNOTATION_INJECTED, ANNOTATION_WORLD_SIZE};
+use crate::webhook::inject::SIDECAR_NAME;
+
+fn is_live(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_none()
+        && !matches!(
+            pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+            Some("Failed" | "Succeeded")
+        )
+}
+
+fn is_injected(pod: &Pod) -> bool {
+    pod.annotations().contains_key(ANNOTATION_INJECTED)
+        || pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.init_containers.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.name == SIDECAR_NAME))
+}
+
+/// Counts trainers; the world size is the largest one a pod declares, else the pod count, so an
+/// elastic job that adds or removes ranks is reflected without touching the decoders.
+pub fn trainer_status(trainers: &[Pod]) -> TrainerStatus {
+    let live: Vec<&Pod> = trainers.iter().filter(|p| is_live(p)).collect();
+    let pods = i32::try_from(live.len()).unwrap_or(i32::MAX);
+    let injected = i32::try_from(live.iter().filter(|p| is_injected(p)).count()).unwrap_or(i32::MAX);
+    let declared = live
+        .iter()
+        .filter_map(|p| {
+            p.annotations()
+                .get(ANNOTATION_WORLD_SIZE)
+                .or_else(|| p.labels().get(ANNOTATION_WORLD_SIZE))
+                .and_then(|v| v.parse::<i32>().ok())
+        })
+        .max();
+    TrainerStatus {
+        pods,
+        injected,
+        world_size: declared.unwrap_or(pods),
+    }
+}

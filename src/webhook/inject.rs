@@ -1,0 +1,234 @@
+//! Sidecar injection, pure: a trainer pod and its pipeline in, a JSON patch out.
+//!
+//! The loader runs as a native sidecar (an init container with `restartPolicy: Always`) whose
+//! startup probe passes once its unix socket listens, so the trainer containers start only when
+//! they can connect. Applying the patch to an already injected pod yields an empty patch.
+
+use k8s_openapi::api::core::v1::{
+    ConfigMapVolumeSource, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    HTTPGetAction, ObjectFieldSelector, Pod, Probe, ResourceRequirements, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::ResourceExt;
+
+use crate::api::{ANNOTATION_INJECTED, DataPipeline, LABEL_ROLE, ROLE_TRAINER};
+use crate::controller::build::decoder_pod::{credentials_env_from, restricted_security_context};
+use crate::controller::build::{CONFIG_DIR, CONFIG_FILE, config_map_name, decoder_discovery_selector};
+
+pub const SIDECAR_NAME: &str = "stoker-loader";
+pub const SHM_VOLUME: &str = "stoker-shm";
+pub const CONFIG_VOLUME: &str = "stoker-config";
+/// Where the shared-memory ring lives, in the sidecar and in every trainer container.
+pub const SHM_DIR: &str = "/dev/shm/stoker";
+/// The unix socket the trainer's `stoker` client connects to.
+pub const SOCKET_PATH: &str = "/dev/shm/stoker/stoker.sock";
+/// The sidecar's metrics and readiness port; `/readyz` passes once the socket listens.
+pub const SIDECAR_HEALTH_PORT: i32 = 9091;
+
+/// Operator-wide inputs to injection.
+#[derive(Clone, Debug)]
+pub struct InjectConfig {
+    pub loader_image: String,
+    pub sidecar_resources: Option<ResourceRequirements>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InjectError {
+    #[error("pod could not be serialized: {0}")]
+    Serialize(#[from] serde_json::Error),
+}
+
+impl InjectError {
+    pub fn category(&self) -> &'static str {
+        match self {
+            Self::Serialize(_) => "serialize",
+        }
+    }
+}
+
+/// The JSON patch that injects the loader sidecar into `pod` for `dp`.
+pub fn injection_patch(
+    pod: &Pod,
+    dp: &DataPipeline,
+    cfg: &InjectConfig,
+) -> Result<json_patch::Patch, InjectError> {
+    let before = serde_json::to_value(pod)?;
+    let after = serde_json::to_value(inject(pod.clone(), dp, cfg))?;
+    Ok(json_patch::diff(&before, &after))
+}
+
+/// The injected pod. Each step adds only what is missing, which makes re-invocation a no-op.
+pub fn inject(mut pod: Pod, dp: &DataPipeline, cfg: &InjectConfig) -> Pod {
+    let pipeline = dp.name_any();
+    pod.labels_mut()
+        .entry(LABEL_ROLE.to_string())
+        .or_insert_with(|| ROLE_TRAINER.to_string());
+    pod.annotations_mut()
+        .entry(ANNOTATION_INJECTED.to_string())
+        .or_insert_with(|| "true".to_string());
+    let Some(spec) = pod.spec.as_mut() else {
+        return pod;
+    };
+
+    let volumes = spec.volumes.get_or_insert_with(Vec::new);
+    if !volumes.iter().any(|v| v.name == SHM_VOLUME) {
+        volumes.push(Volume {
+            name: SHM_VOLUME.to_string(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".to_string()),
+                size_limit: Some(Quantity(dp.spec.trainer.shared_memory.clone())),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+    }
+    if !volumes.iter().any(|v| v.name == CONFIG_VOLUME) {
+        volumes.push(Volume {
+            name: CONFIG_VOLUME.to_string(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: config_map_name(&pipeline),
+                ..ConfigMapVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+    }
+
+    for c in &mut spec.containers {
+        add_client_wiring(c, &pipeline);
+    }
+
+    let inits = spec.init_containers.get_or_insert_with(Vec::new);
+    if !inits.iter().any(|c| c.name == SIDECAR_NAME) {
+        // First, so that any later init container can already read batches.
+        inits.insert(0, sidecar(dp, cfg));
+    }
+    pod
+}
+
+fn env(name: &str, value: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value: Some(value.to_string()),
+        ..EnvVar::default()
+    }
+}
+
+fn shm_mount() -> VolumeMount {
+    VolumeMount {
+        name: SHM_VOLUME.to_string(),
+        mount_path: SHM_DIR.to_string(),
+        ..VolumeMount::default()
+    }
+}
+
+/// The trainer container's side of the contract: the ring mounted, and where to connect.
+fn add_client_wiring(c: &mut Container, pipeline: &str) {
+    let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
+    if !mounts.iter().any(|m| m.name == SHM_VOLUME) {
+        mounts.push(shm_mount());
+    }
+    let envs = c.env.get_or_insert_with(Vec::new);
+    for (k, v) in [
+        ("STOKER_SOCKET", SOCKET_PATH),
+        ("STOKER_SHM_DIR", SHM_DIR),
+        ("STOKER_PIPELINE", pipeline),
+    ] {
+        if !envs.iter().any(|e| e.name == k) {
+            envs.push(env(k, v));
+        }
+    }
+}
+
+fn field_env(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.to_string(),
+                ..ObjectFieldSelector::default()
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+/// The loader sidecar container.
+pub fn sidecar(dp: &DataPipeline, cfg: &InjectConfig) -> Container {
+    let pipeline = dp.name_any();
+    let namespace = dp.namespace().unwrap_or_default();
+    let probe = |period: i32, failures: i32| Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some("/readyz".to_string()),
+            port: IntOrString::Int(SIDECAR_HEALTH_PORT),
+            ..HTTPGetAction::default()
+        }),
+        period_seconds: Some(period),
+        failure_threshold: Some(failures),
+        ..Probe::default()
+    };
+    let args = [
+        "sidecar",
+        "--pipeline",
+        &pipeline,
+        "--namespace",
+        &namespace,
+        "--config",
+        &format!("{CONFIG_DIR}/{CONFIG_FILE}"),
+        "--socket",
+        SOCKET_PATH,
+        "--shm-dir",
+        SHM_DIR,
+        "--discovery",
+        "kubernetes",
+        "--decoder-selector",
+        &decoder_discovery_selector(&pipeline),
+        "--metrics",
+        &format!("0.0.0.0:{SIDECAR_HEALTH_PORT}"),
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut security = restricted_security_context();
+    security.run_as_user = Some(65532);
+    Container {
+        name: SIDECAR_NAME.to_string(),
+        image: Some(
+            dp.spec
+                .decoders
+                .image
+                .clone()
+                .unwrap_or_else(|| cfg.loader_image.clone()),
+        ),
+        args: Some(args),
+        restart_policy: Some("Always".to_string()),
+        env: Some(vec![
+            field_env("STOKER_POD_NAME", "metadata.name"),
+            field_env("STOKER_NODE_NAME", "spec.nodeName"),
+            env("STOKER_SOCKET", SOCKET_PATH),
+            env("STOKER_SHM_DIR", SHM_DIR),
+        ]),
+        env_from: credentials_env_from(dp),
+        ports: Some(vec![k8s_openapi::api::core::v1::ContainerPort {
+            name: Some("stoker-metrics".to_string()),
+            container_port: SIDECAR_HEALTH_PORT,
+            protocol: Some("TCP".to_string()),
+            ..Default::default()
+        }]),
+        // The trainer containers start only after this passes: the socket is listening.
+        startup_probe: Some(probe(1, 600)),
+        readiness_probe: Some(probe(5, 3)),
+        resources: cfg.sidecar_resources.clone(),
+        security_context: Some(security),
+        volume_mounts: Some(vec![
+            shm_mount(),
+            VolumeMount {
+                name: CONFIG_VOLUME.to_string(),
+                mount_path: CONFIG_DIR.to_string(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            },
+        ]),
+        ..Container::default()
+    }
+}
