@@ -98,7 +98,11 @@ struct Plan {
 /// Decodes and transforms one batch on the current rayon pool (call it inside
 /// `ThreadPool::install` to choose the pool). Never panics on bad input: every failure becomes
 /// a skip with its reason, logged with the key.
-pub fn decode_batch(samples: &[EncodedSample], transform: &Transform, limits: &DecodeLimits) -> Batch {
+pub fn decode_batch(
+    samples: &[EncodedSample],
+    transform: &Transform,
+    limits: &DecodeLimits,
+) -> Batch {
     let t0 = Instant::now();
     // Pass 1: headers.
     let plans: Vec<Result<Plan, SkipReason>> = samples
@@ -191,7 +195,11 @@ pub fn decode_batch(samples: &[EncodedSample], transform: &Transform, limits: &D
     }
 }
 
-fn plan_sample(s: &EncodedSample, transform: &Transform, limits: &DecodeLimits) -> Result<Plan, SkipReason> {
+fn plan_sample(
+    s: &EncodedSample,
+    transform: &Transform,
+    limits: &DecodeLimits,
+) -> Result<Plan, SkipReason> {
     let data = s.data.as_ref().map_err(|r| *r)?;
     let probe = decode::probe(data, limits).map_err(|e| {
         tracing::warn!(key = %s.key, reason = %e.category(), error = %e, "skipping sample");

@@ -42,7 +42,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let metrics = std::sync::Arc::new(stoker_loader::metrics::LoaderMetrics::new());
     let source = S3Source::connect(&args.s3.config(), metrics).await;
     let keys = source.list(&args.bucket, &args.prefix, 1000).await?;
-    anyhow::ensure!(!keys.is_empty(), "no objects under s3://{}/{}", args.bucket, args.prefix);
+    anyhow::ensure!(
+        !keys.is_empty(),
+        "no objects under s3://{}/{}",
+        args.bucket,
+        args.prefix
+    );
     let transform = transform_to_proto(&args.transform.transform()?);
     let client = DecodeClient::connect(args.worker.clone()).await?;
     let mut batches = Vec::new();

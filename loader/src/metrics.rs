@@ -70,38 +70,84 @@ impl Default for LoaderMetrics {
 impl LoaderMetrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("stoker_loader");
-        let stage_seconds = HistogramFamily::<StageLabel>::new_with_constructor(latency_histogram as fn() -> Histogram);
+        let stage_seconds = HistogramFamily::<StageLabel>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
         registry.register(
             "stage_seconds",
             "Latency per stage: get (one S3 GET incl. retries' last attempt), decode and resize (one sample), pack (one batch)",
             stage_seconds.clone(),
         );
         let batch_seconds = latency_histogram();
-        registry.register("batch_seconds", "End-to-end time of one DecodeBatch call", batch_seconds.clone());
+        registry.register(
+            "batch_seconds",
+            "End-to-end time of one DecodeBatch call",
+            batch_seconds.clone(),
+        );
         let samples_in = Counter::default();
         registry.register("samples_in", "Samples requested", samples_in.clone());
         let samples_out = Counter::default();
-        registry.register("samples_out", "Samples decoded and returned", samples_out.clone());
+        registry.register(
+            "samples_out",
+            "Samples decoded and returned",
+            samples_out.clone(),
+        );
         let bytes_in = Counter::default();
-        registry.register("bytes_in", "Encoded bytes read from S3 or inline", bytes_in.clone());
+        registry.register(
+            "bytes_in",
+            "Encoded bytes read from S3 or inline",
+            bytes_in.clone(),
+        );
         let bytes_out = Counter::default();
-        registry.register("bytes_out", "Decoded uint8 pixel bytes returned", bytes_out.clone());
+        registry.register(
+            "bytes_out",
+            "Decoded uint8 pixel bytes returned",
+            bytes_out.clone(),
+        );
         let skips = Family::<ReasonLabel, Counter>::default();
         registry.register("skips", "Samples skipped, by reason", skips.clone());
         let s3_requests = Family::<OpLabel, Counter>::default();
-        registry.register("s3_requests", "S3 requests sent (every attempt), by operation", s3_requests.clone());
+        registry.register(
+            "s3_requests",
+            "S3 requests sent (every attempt), by operation",
+            s3_requests.clone(),
+        );
         let s3_retries = Counter::default();
-        registry.register("s3_retries", "S3 attempts retried after a transient failure (throttles included)", s3_retries.clone());
+        registry.register(
+            "s3_retries",
+            "S3 attempts retried after a transient failure (throttles included)",
+            s3_retries.clone(),
+        );
         let s3_throttles = Counter::default();
-        registry.register("s3_throttles", "S3 answers 503 SlowDown or 429: the store asks to slow down", s3_throttles.clone());
+        registry.register(
+            "s3_throttles",
+            "S3 answers 503 SlowDown or 429: the store asks to slow down",
+            s3_throttles.clone(),
+        );
         let s3_errors = Family::<CategoryLabel, Counter>::default();
-        registry.register("s3_errors", "S3 requests that failed for good, by category", s3_errors.clone());
+        registry.register(
+            "s3_errors",
+            "S3 requests that failed for good, by category",
+            s3_errors.clone(),
+        );
         let inflight_batches = Gauge::default();
-        registry.register("inflight_batches", "Batches admitted and not yet answered", inflight_batches.clone());
+        registry.register(
+            "inflight_batches",
+            "Batches admitted and not yet answered",
+            inflight_batches.clone(),
+        );
         let inflight_samples = Gauge::default();
-        registry.register("inflight_samples", "Samples of the admitted batches", inflight_samples.clone());
+        registry.register(
+            "inflight_samples",
+            "Samples of the admitted batches",
+            inflight_samples.clone(),
+        );
         let rejected = Family::<ReasonLabel, Counter>::default();
-        registry.register("rejected_batches", "Batches refused: queue_full or draining", rejected.clone());
+        registry.register(
+            "rejected_batches",
+            "Batches refused: queue_full or draining",
+            rejected.clone(),
+        );
         let busy_seconds = Counter::<f64, AtomicU64>::default();
         registry.register(
             "busy_seconds",
@@ -109,7 +155,11 @@ impl LoaderMetrics {
             busy_seconds.clone(),
         );
         let pool_threads = Gauge::default();
-        registry.register("pool_threads", "Threads in the decode pool", pool_threads.clone());
+        registry.register(
+            "pool_threads",
+            "Threads in the decode pool",
+            pool_threads.clone(),
+        );
         // Pre-create the skip reasons so that rate() works from the first scrape.
         for r in SkipReason::ALL {
             let _ = skips.get_or_create(&ReasonLabel { reason: r.as_str() });
@@ -144,7 +194,9 @@ impl LoaderMetrics {
     }
 
     pub fn observe_stage(&self, stage: &'static str, d: Duration) {
-        self.stage_seconds.get_or_create(&StageLabel { stage }).observe(d.as_secs_f64());
+        self.stage_seconds
+            .get_or_create(&StageLabel { stage })
+            .observe(d.as_secs_f64());
     }
 
     pub fn observe_get(&self, d: Duration, bytes: usize) {
@@ -165,11 +217,17 @@ impl LoaderMetrics {
     }
 
     pub fn s3_error(&self, category: &'static str) {
-        self.s3_errors.get_or_create(&CategoryLabel { category }).inc();
+        self.s3_errors
+            .get_or_create(&CategoryLabel { category })
+            .inc();
     }
 
     pub fn skip(&self, reason: SkipReason) {
-        self.skips.get_or_create(&ReasonLabel { reason: reason.as_str() }).inc();
+        self.skips
+            .get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            })
+            .inc();
     }
 
     pub fn reject(&self, reason: &'static str) {

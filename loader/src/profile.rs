@@ -61,7 +61,10 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1000.0
 }
 
-pub async fn run_profile(source: &S3Source, cfg: &ProfileConfig) -> Result<ProfileReport, SourceError> {
+pub async fn run_profile(
+    source: &S3Source,
+    cfg: &ProfileConfig,
+) -> Result<ProfileReport, SourceError> {
     let t_list = Instant::now();
     let all: Vec<SampleRef> = match &cfg.manifest {
         Some(m) => source.load_manifest(&ManifestLocation::parse(m)).await?,
@@ -110,7 +113,13 @@ pub async fn run_profile(source: &S3Source, cfg: &ProfileConfig) -> Result<Profi
     let cpu = tokio::task::spawn_blocking(move || {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build();
         let run = |samples: &[EncodedSample]| {
-            let mut agg = (Duration::ZERO, Duration::ZERO, Duration::ZERO, 0usize, 0usize);
+            let mut agg = (
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::ZERO,
+                0usize,
+                0usize,
+            );
             let mut skips: BTreeMap<String, u64> = BTreeMap::new();
             let t0 = Instant::now();
             for chunk in samples.chunks(32) {
@@ -138,7 +147,11 @@ pub async fn run_profile(source: &S3Source, cfg: &ProfileConfig) -> Result<Profi
     let ((decode, resize, pack, decoded, out_bytes), skips, wall) = cpu;
 
     let n = decoded.max(1) as f64;
-    let per_core = if wall.is_zero() { 0.0 } else { decoded as f64 / wall.as_secs_f64() };
+    let per_core = if wall.is_zero() {
+        0.0
+    } else {
+        decoded as f64 / wall.as_secs_f64()
+    };
     let decoded_bytes_per_image = out_bytes as f64 / n;
     Ok(ProfileReport {
         transform: transform.name().to_string(),
@@ -158,7 +171,11 @@ pub async fn run_profile(source: &S3Source, cfg: &ProfileConfig) -> Result<Profi
         encoded_bytes_per_image: encoded_total as f64 / sampled.max(1) as f64,
         decoded_bytes_per_image,
         target_images_per_second: cfg.target_rate,
-        cores_needed: if per_core > 0.0 { cfg.target_rate / per_core } else { 0.0 },
+        cores_needed: if per_core > 0.0 {
+            cfg.target_rate / per_core
+        } else {
+            0.0
+        },
         egress_gbit_per_s_at_target: cfg.target_rate * decoded_bytes_per_image * 8.0 / 1e9,
     })
 }
@@ -168,20 +185,41 @@ impl ProfileReport {
     pub fn table(&self) -> String {
         let mut rows: Vec<(String, String)> = vec![
             ("transform".into(), self.transform.clone()),
-            ("objects listed".into(), format!("{} in {:.2} s", self.listed_objects, self.list_seconds)),
-            ("sampled / decoded".into(), format!("{} / {}", self.sampled, self.decoded)),
+            (
+                "objects listed".into(),
+                format!("{} in {:.2} s", self.listed_objects, self.list_seconds),
+            ),
+            (
+                "sampled / decoded".into(),
+                format!("{} / {}", self.sampled, self.decoded),
+            ),
             (
                 "GET latency p50 / p90".into(),
                 format!("{:.1} ms / {:.1} ms", self.get_p50_ms, self.get_p90_ms),
             ),
             (
                 "GET throughput".into(),
-                format!("{:.1} MB/s at {} in flight", self.get_mb_per_s, self.get_concurrency),
+                format!(
+                    "{:.1} MB/s at {} in flight",
+                    self.get_mb_per_s, self.get_concurrency
+                ),
             ),
-            ("decode per image".into(), format!("{:.2} ms", self.decode_ms_per_image)),
-            ("resize per image".into(), format!("{:.2} ms", self.resize_ms_per_image)),
-            ("pack per image".into(), format!("{:.3} ms", self.pack_ms_per_image)),
-            ("images/s per core".into(), format!("{:.0}", self.images_per_second_per_core)),
+            (
+                "decode per image".into(),
+                format!("{:.2} ms", self.decode_ms_per_image),
+            ),
+            (
+                "resize per image".into(),
+                format!("{:.2} ms", self.resize_ms_per_image),
+            ),
+            (
+                "pack per image".into(),
+                format!("{:.3} ms", self.pack_ms_per_image),
+            ),
+            (
+                "images/s per core".into(),
+                format!("{:.0}", self.images_per_second_per_core),
+            ),
             (
                 "bytes per image enc → dec".into(),
                 format!(
@@ -203,7 +241,11 @@ impl ProfileReport {
         for (reason, count) in &self.skips {
             rows.push((format!("skipped: {reason}"), count.to_string()));
         }
-        let w = rows.iter().map(|(k, _)| k.chars().count()).max().unwrap_or(0);
+        let w = rows
+            .iter()
+            .map(|(k, _)| k.chars().count())
+            .max()
+            .unwrap_or(0);
         rows.iter()
             .map(|(k, v)| format!("{k:<w$}  {v}\n"))
             .collect()

@@ -5,6 +5,7 @@ mod common;
 
 use common::*;
 use stoker_loader::proto;
+use stoker_testenv::s3::S3Server;
 
 fn png_bomb(w: u32, h: u32) -> Vec<u8> {
     // A valid signature and IHDR claiming w x h RGB, then one tiny IDAT and IEND.
@@ -14,7 +15,11 @@ fn png_bomb(w: u32, h: u32) -> Vec<u8> {
     ihdr.extend_from_slice(&h.to_be_bytes());
     ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
     chunk(&mut out, b"IHDR", &ihdr);
-    chunk(&mut out, b"IDAT", &[0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01]);
+    chunk(
+        &mut out,
+        b"IDAT",
+        &[0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01],
+    );
     chunk(&mut out, b"IEND", &[]);
     out
 }
@@ -35,11 +40,10 @@ fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
-fn inline(key: &str, data: Vec<u8>) -> proto::SampleRef {
+fn by_key(key: &str) -> proto::SampleRef {
     proto::SampleRef {
         key: key.into(),
-        metadata: String::new(),
-        inline: data.into(),
+        ..Default::default()
     }
 }
 
@@ -66,22 +70,39 @@ async fn bad_files_are_skipped_with_their_reason_and_the_worker_keeps_serving() 
         ("flipped.jpg", flipped, "corrupt"),
         ("empty.jpg", Vec::new(), "empty"),
         ("error.html", html, "unsupported"),
-        ("notes.txt", b"just some text, not an image\n".to_vec(), "unsupported"),
+        (
+            "notes.txt",
+            b"just some text, not an image\n".to_vec(),
+            "unsupported",
+        ),
         ("bomb.png", png_bomb(60000, 60000), "too_large"),
         ("truncated.png", png_truncated, "truncated"),
-        ("gif.gif", b"GIF89a\x01\x00\x01\x00\x00\x00\x00;".to_vec(), "unsupported"),
+        (
+            "gif.gif",
+            b"GIF89a\x01\x00\x01\x00\x00\x00\x00;".to_vec(),
+            "unsupported",
+        ),
     ];
-    let mut w = worker(None, 2).await;
-    let mut samples: Vec<proto::SampleRef> =
-        cases.iter().map(|(k, d, _)| inline(k, d.clone())).collect();
-    samples.push(inline("good.jpg", good.clone()));
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path()).unwrap();
+    for (key, data, _) in &cases {
+        server.put_object(BUCKET, key, data).unwrap();
+    }
+    server.put_object(BUCKET, "good.jpg", &good).unwrap();
+    let mut w = worker(Some(&server), 2).await;
+    let mut samples: Vec<proto::SampleRef> = cases.iter().map(|(k, _, _)| by_key(k)).collect();
+    samples.push(by_key("good.jpg"));
     let req = proto::DecodeBatchRequest {
         batch_id: 1,
-        bucket: String::new(),
+        bucket: BUCKET.into(),
         samples,
         transform: Some(crop(224, 224)),
     };
-    let reply = w.client.decode_batch(req).await.expect("the batch itself succeeds");
+    let reply = w
+        .client
+        .decode_batch(req)
+        .await
+        .expect("the batch itself succeeds");
     for ((key, _, reason), m) in cases.iter().zip(&reply.samples) {
         assert_eq!(&m.key, key);
         assert_eq!(m.skip_reason, *reason, "{key}");
@@ -94,14 +115,19 @@ async fn bad_files_are_skipped_with_their_reason_and_the_worker_keeps_serving() 
 
     // Many bombs at once: no allocation of their claimed size (60000² x 3 = 10 GB each).
     let before = rss_kib();
+    // Inline bytes take the same path minus the GET.
     let bombs: Vec<proto::SampleRef> = (0..64)
-        .map(|i| inline(&format!("bomb{i}.png"), png_bomb(60000, 60000)))
+        .map(|i| proto::SampleRef {
+            key: format!("bomb{i}.png"),
+            metadata: String::new(),
+            inline: png_bomb(60000, 60000).into(),
+        })
         .collect();
     let reply = w
         .client
         .decode_batch(proto::DecodeBatchRequest {
             batch_id: 2,
-            bucket: String::new(),
+            bucket: BUCKET.into(),
             samples: bombs,
             transform: Some(crop(224, 224)),
         })
@@ -116,15 +142,21 @@ async fn bad_files_are_skipped_with_their_reason_and_the_worker_keeps_serving() 
         .client
         .decode_batch(proto::DecodeBatchRequest {
             batch_id: 3,
-            bucket: String::new(),
-            samples: vec![inline("good.jpg", good)],
+            bucket: BUCKET.into(),
+            samples: vec![by_key("good.jpg")],
             transform: Some(crop(224, 224)),
         })
         .await
         .unwrap();
     assert_eq!(reply.samples[0].skip_reason, "");
     let text = metrics_text(&w).await;
-    assert_eq!(metric(&text, "stoker_loader_skips_total{reason=\"too_large\"}"), 65.0);
-    assert_eq!(metric(&text, "stoker_loader_skips_total{reason=\"unsupported\"}"), 3.0);
+    assert_eq!(
+        metric(&text, "stoker_loader_skips_total{reason=\"too_large\"}"),
+        65.0
+    );
+    assert_eq!(
+        metric(&text, "stoker_loader_skips_total{reason=\"unsupported\"}"),
+        3.0
+    );
     assert_eq!(metric(&text, "stoker_loader_samples_out_total"), 2.0);
 }

@@ -16,11 +16,21 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
     let dir = tempfile::tempdir().unwrap();
     let server = S3Server::start(dir.path()).unwrap();
     // A large PNG makes each batch take a while, so SIGTERM lands mid-batch.
-    server.put_object(BUCKET, "big.png", &png(3000, 2000)).unwrap();
-    server.put_object(BUCKET, "small.jpg", &jpeg(64, 48)).unwrap();
+    server
+        .put_object(BUCKET, "big.png", &png(1600, 1200))
+        .unwrap();
+    server
+        .put_object(BUCKET, "small.jpg", &jpeg(64, 48))
+        .unwrap();
 
     let mut child = Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
-        .args(["decode", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+        .args([
+            "decode",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+        ])
         .args(["--threads", "2", "--queue-depth", "8", "--force-path-style"])
         .args(["--endpoint", &server.endpoint(), "--region", "us-east-1"])
         .env("AWS_ACCESS_KEY_ID", server.access_key())
@@ -32,13 +42,24 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let grpc = line.split("grpc=").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let grpc = line
+        .split("grpc=")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
     let http: std::net::SocketAddr = line.split("http=").nth(1).unwrap().trim().parse().unwrap();
     assert_eq!(http_get(http, "/readyz").await.0, 200);
 
-    let client = DecodeClient::connect(format!("http://{grpc}")).await.unwrap();
-    let keys = ["big.png"; 6];
+    let client = DecodeClient::connect(format!("http://{grpc}"))
+        .await
+        .unwrap();
+    let keys = ["big.png"; 4];
     let inflight: Vec<_> = (0..3)
         .map(|_| {
             let mut c = client.clone();
@@ -66,22 +87,27 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let mut late = client.clone();
-    let refused = late.decode_batch(request(&["small.jpg"], crop(32, 32))).await;
+    let refused = late
+        .decode_batch(request(&["small.jpg"], crop(32, 32)))
+        .await;
     let status = refused.expect_err("a batch sent while draining is refused");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
 
     for task in inflight {
         let reply = task.await.unwrap().expect("in-flight batch completes");
-        assert_eq!(reply.samples.len(), 6);
+        assert_eq!(reply.samples.len(), 4);
         assert!(reply.samples.iter().all(|s| s.skip_reason.is_empty()));
-        assert_eq!(reply.pixels.len(), 6 * 224 * 224 * 3);
+        assert_eq!(reply.pixels.len(), 4 * 224 * 224 * 3);
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
             break s;
         }
-        assert!(Instant::now() < deadline, "worker did not exit after draining");
+        assert!(
+            Instant::now() < deadline,
+            "worker did not exit after draining"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert!(status.success(), "exit status {status:?}");

@@ -11,9 +11,13 @@ async fn listing_follows_pagination_and_skips_folder_markers() {
     let dir = tempfile::tempdir().unwrap();
     let server = S3Server::start(dir.path()).unwrap();
     for i in 0..23 {
-        server.put_object(BUCKET, &format!("train/{i:03}.jpg"), b"x").unwrap();
+        server
+            .put_object(BUCKET, &format!("train/{i:03}.jpg"), b"x")
+            .unwrap();
     }
-    server.put_object(BUCKET, "other/elsewhere.jpg", b"x").unwrap();
+    server
+        .put_object(BUCKET, "other/elsewhere.jpg", b"x")
+        .unwrap();
     let (source, metrics) = source(&server).await;
     let keys = source.list(BUCKET, "train/", 5).await.unwrap();
     let names: Vec<String> = keys.iter().map(|s| s.key.clone()).collect();
@@ -21,27 +25,41 @@ async fn listing_follows_pagination_and_skips_folder_markers() {
     assert_eq!(names, want, "every key under the prefix, once, in order");
     // 23 keys at 5 per page: 5 pages.
     let text = metrics.encode();
-    assert_eq!(metric(&text, "stoker_loader_s3_requests_total{op=\"list_objects_v2\"}"), 5.0);
+    assert_eq!(
+        metric(
+            &text,
+            "stoker_loader_s3_requests_total{op=\"list_objects_v2\"}"
+        ),
+        5.0
+    );
 }
 
 #[tokio::test]
 async fn manifest_metadata_reaches_the_reply_and_missing_objects_are_skipped() {
     let dir = tempfile::tempdir().unwrap();
     let server = S3Server::start(dir.path()).unwrap();
-    server.put_object(BUCKET, "img/a.jpg", &jpeg(320, 240)).unwrap();
-    server.put_object(BUCKET, "img/b.png", &png(200, 300)).unwrap();
+    server
+        .put_object(BUCKET, "img/a.jpg", &jpeg(320, 240))
+        .unwrap();
+    server
+        .put_object(BUCKET, "img/b.png", &png(200, 300))
+        .unwrap();
     let manifest = concat!(
         "{\"key\":\"img/a.jpg\",\"caption\":\"a red square\",\"label\":7}\n",
         "{\"key\":\"img/missing.jpg\",\"caption\":\"gone\"}\n",
         "{\"key\":\"img/b.png\",\"caption\":\"tall\"}\n",
     );
-    server.put_object(BUCKET, "train.jsonl", manifest.as_bytes()).unwrap();
+    server
+        .put_object(BUCKET, "train.jsonl", manifest.as_bytes())
+        .unwrap();
     let local = dir.path().join("local.jsonl");
     std::fs::write(&local, manifest).unwrap();
 
     let (source, _) = source(&server).await;
     let from_s3 = source
-        .load_manifest(&ManifestLocation::parse(&format!("s3://{BUCKET}/train.jsonl")))
+        .load_manifest(&ManifestLocation::parse(&format!(
+            "s3://{BUCKET}/train.jsonl"
+        )))
         .await
         .unwrap();
     let from_disk = source
@@ -75,14 +93,20 @@ async fn manifest_metadata_reaches_the_reply_and_missing_objects_are_skipped() {
     assert_eq!((s[0].orig_width, s[0].orig_height), (320, 240));
     assert_eq!(s[1].skip_reason, "not_found");
     assert_eq!(s[1].key, "img/missing.jpg");
-    assert!(s[1].metadata.contains("gone"), "metadata travels with skipped samples too");
+    assert!(
+        s[1].metadata.contains("gone"),
+        "metadata travels with skipped samples too"
+    );
     assert_eq!(s[2].skip_reason, "");
     assert_eq!((s[2].orig_width, s[2].orig_height), (200, 300));
     assert_eq!(reply.pixels.len(), 2 * 64 * 64 * 3);
     assert_eq!(s[2].offset, 64 * 64 * 3);
 
     let text = metrics_text(&w).await;
-    assert_eq!(metric(&text, "stoker_loader_skips_total{reason=\"not_found\"}"), 1.0);
+    assert_eq!(
+        metric(&text, "stoker_loader_skips_total{reason=\"not_found\"}"),
+        1.0
+    );
     assert_eq!(metric(&text, "stoker_loader_samples_out_total"), 2.0);
 }
 
@@ -98,11 +122,23 @@ async fn throttling_then_recovery_loses_no_sample() {
     // 40 failures in a row, a mix of SlowDown and plain 500s, then the server recovers.
     server.fail_next(30, 503);
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let first = w.client.decode_batch(request(&refs, crop(32, 32))).await.unwrap();
+    let first = w
+        .client
+        .decode_batch(request(&refs, crop(32, 32)))
+        .await
+        .unwrap();
     server.fail_next(10, 500);
-    let second = w.client.decode_batch(request(&refs, crop(32, 32))).await.unwrap();
+    let second = w
+        .client
+        .decode_batch(request(&refs, crop(32, 32)))
+        .await
+        .unwrap();
     for reply in [&first, &second] {
-        assert!(reply.samples.iter().all(|s| s.skip_reason.is_empty()), "{:?}", reply.samples);
+        assert!(
+            reply.samples.iter().all(|s| s.skip_reason.is_empty()),
+            "{:?}",
+            reply.samples
+        );
         assert_eq!(reply.pixels.len(), 12 * 32 * 32 * 3);
     }
     assert_eq!(server.failures_injected(), 40);
@@ -111,4 +147,3 @@ async fn throttling_then_recovery_loses_no_sample() {
     assert_eq!(metric(&text, "stoker_loader_s3_retries_total"), 40.0);
     assert_eq!(metric(&text, "stoker_loader_samples_out_total"), 24.0);
 }
-

@@ -20,10 +20,15 @@ fn sample(key: &str, data: Vec<u8>) -> EncodedSample {
 fn reference_crop(rgb: &[u8], w: u32, h: u32, tw: u32, th: u32) -> Vec<u8> {
     let img = image::RgbImage::from_raw(w, h, rgb.to_vec()).unwrap();
     let s = (f64::from(tw) / f64::from(w)).max(f64::from(th) / f64::from(h));
-    let (rw, rh) = ((f64::from(w) * s).round() as u32, (f64::from(h) * s).round() as u32);
+    let (rw, rh) = (
+        (f64::from(w) * s).round() as u32,
+        (f64::from(h) * s).round() as u32,
+    );
     let resized = imageops::resize(&img, rw.max(tw), rh.max(th), FilterType::Triangle);
     let (l, t) = ((resized.width() - tw) / 2, (resized.height() - th) / 2);
-    imageops::crop_imm(&resized, l, t, tw, th).to_image().into_raw()
+    imageops::crop_imm(&resized, l, t, tw, th)
+        .to_image()
+        .into_raw()
 }
 
 #[test]
@@ -33,10 +38,16 @@ fn crop_matches_a_reference_resize_with_and_without_dct_scaling() {
     for (w, h) in [(1600u32, 1200u32), (600, 450), (450, 600)] {
         let rgb = pattern(w, h);
         let data = jpeg_of(&rgb, w, h);
-        let t = Transform::Crop { width: 448, height: 448 };
+        let t = Transform::Crop {
+            width: 448,
+            height: 448,
+        };
         let batch = decode_batch(&[sample("a", data)], &t, &DecodeLimits::default());
         assert_eq!(batch.samples[0].skip, None);
-        assert_eq!((batch.samples[0].width, batch.samples[0].height), (448, 448));
+        assert_eq!(
+            (batch.samples[0].width, batch.samples[0].height),
+            (448, 448)
+        );
         assert_eq!(batch.pixels.len(), 448 * 448 * 3);
         let want = reference_crop(&rgb, w, h, 448, 448);
         let diff = mean_abs_diff(&batch.pixels, &want);
@@ -48,9 +59,16 @@ fn crop_matches_a_reference_resize_with_and_without_dct_scaling() {
 fn fit_letterboxes_inside_the_target() {
     let (w, h) = (800u32, 400u32);
     let rgb = pattern(w, h);
-    let t = Transform::Fit { width: 256, height: 256, pad: 0 };
+    let t = Transform::Fit {
+        width: 256,
+        height: 256,
+        pad: 0,
+    };
     let batch = decode_batch(&[sample("p", png(w, h))], &t, &DecodeLimits::default());
-    assert_eq!((batch.samples[0].width, batch.samples[0].height), (256, 256));
+    assert_eq!(
+        (batch.samples[0].width, batch.samples[0].height),
+        (256, 256)
+    );
     let px = &batch.pixels;
     // 800x400 scaled into 256x256 is 256x128, centered: rows 0..64 and 192..256 are padding.
     let row = |y: usize| &px[y * 256 * 3..(y + 1) * 256 * 3];
@@ -66,7 +84,11 @@ fn fit_letterboxes_inside_the_target() {
 
 #[test]
 fn qwen_smart_batches_are_ragged_with_consistent_offsets() {
-    let t = Transform::QwenSmart { factor: 28, min_pixels: 56 * 56, max_pixels: 28 * 28 * 256 };
+    let t = Transform::QwenSmart {
+        factor: 28,
+        min_pixels: 56 * 56,
+        max_pixels: 28 * 28 * 256,
+    };
     let inputs = [
         ("wide.jpg", jpeg(900, 300)),
         ("tall.png", png(240, 640)),
@@ -89,16 +111,31 @@ fn qwen_smart_batches_are_ragged_with_consistent_offsets() {
         assert_eq!(m.width % 28, 0, "{key}");
         assert_eq!(m.height % 28, 0, "{key}");
         let px = u64::from(m.width) * u64::from(m.height);
-        assert!((56 * 56..=28 * 28 * 256).contains(&px), "{key}: {}x{}", m.width, m.height);
-        let (ow, oh) = stoker_loader::transform::smart_resize(m.orig_height, m.orig_width, 28, 56 * 56, 28 * 28 * 256)
-            .map(|(h, w)| (w, h))
-            .unwrap();
+        assert!(
+            (56 * 56..=28 * 28 * 256).contains(&px),
+            "{key}: {}x{}",
+            m.width,
+            m.height
+        );
+        let (ow, oh) = stoker_loader::transform::smart_resize(
+            m.orig_height,
+            m.orig_width,
+            28,
+            56 * 56,
+            28 * 28 * 256,
+        )
+        .map(|(h, w)| (w, h))
+        .unwrap();
         assert_eq!((m.width, m.height), (ow, oh), "{key}");
         expected_offset += m.byte_len() as u64;
     }
     assert_eq!(batch.pixels.len() as u64, expected_offset);
-    let shapes: std::collections::HashSet<(u32, u32)> =
-        batch.samples.iter().filter(|m| m.skip.is_none()).map(|m| (m.width, m.height)).collect();
+    let shapes: std::collections::HashSet<(u32, u32)> = batch
+        .samples
+        .iter()
+        .filter(|m| m.skip.is_none())
+        .map(|m| (m.width, m.height))
+        .collect();
     assert!(shapes.len() >= 3, "ragged batch: {shapes:?}");
     // The wide image's pixels look like the reference resize of its source.
     let wide = &batch.samples[0];
@@ -110,11 +147,20 @@ fn qwen_smart_batches_are_ragged_with_consistent_offsets() {
 
 #[test]
 fn grayscale_alpha_and_exif_orientation_become_upright_rgb() {
-    let t = Transform::Crop { width: 64, height: 64 };
+    let t = Transform::Crop {
+        width: 64,
+        height: 64,
+    };
     // Grayscale JPEG.
     let gray: Vec<u8> = (0..128 * 128).map(|i| (i % 256) as u8).collect();
     let gray_jpeg = turbojpeg::compress(
-        turbojpeg::Image { pixels: gray.as_slice(), width: 128, pitch: 128, height: 128, format: turbojpeg::PixelFormat::GRAY },
+        turbojpeg::Image {
+            pixels: gray.as_slice(),
+            width: 128,
+            pitch: 128,
+            height: 128,
+            format: turbojpeg::PixelFormat::GRAY,
+        },
         90,
         turbojpeg::Subsamp::Gray,
     )
@@ -124,18 +170,40 @@ fn grayscale_alpha_and_exif_orientation_become_upright_rgb() {
     let clear = png_rgba(64, 64, 0);
     // A JPEG of a 200x100 pattern tagged "rotate 90° clockwise" (EXIF orientation 6).
     let rotated = with_exif_orientation(&jpeg(200, 100), 6);
-    let batch = decode_batch(&[sample("g", gray_jpeg), sample("a", clear)], &t, &DecodeLimits::default());
-    assert!(batch.samples.iter().all(|m| m.skip.is_none()), "{:?}", batch.samples);
+    let batch = decode_batch(
+        &[sample("g", gray_jpeg), sample("a", clear)],
+        &t,
+        &DecodeLimits::default(),
+    );
+    assert!(
+        batch.samples.iter().all(|m| m.skip.is_none()),
+        "{:?}",
+        batch.samples
+    );
     let g = batch.sample_pixels(0);
-    assert!(g.chunks(3).all(|p| p[0] == p[1] && p[1] == p[2]), "gray stays gray in RGB");
-    assert!(batch.sample_pixels(1).iter().all(|&v| v == 255), "transparent over white");
+    assert!(
+        g.chunks(3).all(|p| p[0] == p[1] && p[1] == p[2]),
+        "gray stays gray in RGB"
+    );
+    assert!(
+        batch.sample_pixels(1).iter().all(|&v| v == 255),
+        "transparent over white"
+    );
 
     // Fit keeps the whole image: 100x200 upright becomes 32x64 at x = 16..48.
-    let fit = Transform::Fit { width: 64, height: 64, pad: 0 };
+    let fit = Transform::Fit {
+        width: 64,
+        height: 64,
+        pad: 0,
+    };
     let batch = decode_batch(&[sample("r", rotated)], &fit, &DecodeLimits::default());
     let r = &batch.samples[0];
     assert_eq!(r.skip, None);
-    assert_eq!((r.orig_width, r.orig_height), (100, 200), "size after orientation");
+    assert_eq!(
+        (r.orig_width, r.orig_height),
+        (100, 200),
+        "size after orientation"
+    );
     // The bright block (top-left of the stored image) ends top-right once rotated clockwise.
     let px = batch.sample_pixels(0);
     let at = |x: usize, y: usize| px[(y * 64 + x) * 3];

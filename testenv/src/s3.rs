@@ -41,7 +41,10 @@ impl Faults {
     fn take(&self) -> Option<u16> {
         let mut cur = self.remaining.load(Ordering::SeqCst);
         while cur > 0 {
-            match self.remaining.compare_exchange(cur, cur - 1, Ordering::SeqCst, Ordering::SeqCst) {
+            match self
+                .remaining
+                .compare_exchange(cur, cur - 1, Ordering::SeqCst, Ordering::SeqCst)
+            {
                 Ok(_) => {
                     self.injected.fetch_add(1, Ordering::SeqCst);
                     return Some(self.status.load(Ordering::SeqCst) as u16);
@@ -180,7 +183,9 @@ impl S3Server {
     /// The next `n` requests, whatever they are, fail with `status` (503 answers with the
     /// `SlowDown` error body S3 uses when it throttles; other codes with `InternalError`).
     pub fn fail_next(&self, n: u64, status: u16) {
-        self.faults.status.store(u64::from(status), Ordering::SeqCst);
+        self.faults
+            .status
+            .store(u64::from(status), Ordering::SeqCst);
         self.faults.remaining.store(n, Ordering::SeqCst);
     }
 
@@ -249,7 +254,9 @@ async fn serve(listener: TcpListener, service: S3Service, faults: Arc<Faults>) {
                 hyper::service::Service::call(&service, req).await
             }
         });
-        let conn = http.serve_connection(TokioIo::new(socket), svc).into_owned();
+        let conn = http
+            .serve_connection(TokioIo::new(socket), svc)
+            .into_owned();
         tokio::spawn(async move {
             let _ = conn.await;
         });
@@ -260,13 +267,17 @@ fn fault_response(status: u16) -> http::Response<s3s::Body> {
     let (code, message) = if status == 503 {
         ("SlowDown", "Please reduce your request rate.")
     } else {
-        ("InternalError", "We encountered an internal error. Please try again.")
+        (
+            "InternalError",
+            "We encountered an internal error. Please try again.",
+        )
     };
     let body = format!(
         "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code><Message>{message}</Message><RequestId>stoker-fault</RequestId></Error>"
     );
     let mut resp = http::Response::new(s3s::Body::from(body));
-    *resp.status_mut() = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::SERVICE_UNAVAILABLE);
+    *resp.status_mut() =
+        http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::SERVICE_UNAVAILABLE);
     resp.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/xml"),

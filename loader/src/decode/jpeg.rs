@@ -19,13 +19,19 @@ fn with_decompressor<T>(
         if slot.is_none() {
             *slot = Some(Decompressor::new().map_err(|e| corrupt(&e))?);
         }
-        match slot.as_mut() {
+        let result = match slot.as_mut() {
             Some(d) => f(d),
             None => Err(DecodeError::Corrupt {
                 format: Format::Jpeg,
                 detail: "no decompressor".into(),
             }),
+        };
+        // A failed decompression can leave the handle's state (warning flag, partial
+        // decode) behind and fail the next good image; start afresh after any error.
+        if result.is_err() {
+            *slot = None;
         }
+        result
     })
 }
 

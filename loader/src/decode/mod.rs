@@ -208,7 +208,7 @@ mod tests {
     #[test]
     fn dct_scale_only_when_twice_the_target() {
         assert_eq!(dct_denominator(1600, 1200, 448, 448), 2);
-        assert_eq!(dct_denominator(895, 895, 448, 448), 1);
+        assert_eq!(dct_denominator(894, 894, 448, 448), 1);
         assert_eq!(dct_denominator(4000, 3000, 448, 448), 4);
         assert_eq!(dct_denominator(500, 375, 448, 448), 1);
         assert_eq!(dct_denominator(8000, 8000, 448, 448), 8);

@@ -97,7 +97,11 @@ fn orientation_from_image(o: image::metadata::Orientation) -> Orientation {
     }
 }
 
-pub(super) fn decode(format: Format, data: &[u8], out: &mut Vec<u8>) -> Result<Decoded, DecodeError> {
+pub(super) fn decode(
+    format: Format,
+    data: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<Decoded, DecodeError> {
     match format {
         Format::Png => {
             let mut limits = Limits::default();
@@ -128,7 +132,10 @@ fn read_rgb8(
         out.clear();
         out.resize(pixels * 3, 0);
         dec.read_image(out).map_err(|e| classify(format, e))?;
-        return Ok(Decoded { width: w, height: h });
+        return Ok(Decoded {
+            width: w,
+            height: h,
+        });
     }
     let mut raw = vec![0u8; dec.total_bytes() as usize];
     dec.read_image(&mut raw).map_err(|e| classify(format, e))?;
@@ -150,9 +157,7 @@ fn read_rgb8(
         ColorType::Rgb16 => (u16s(&raw).into(), 3),
         ColorType::Rgba16 => (u16s(&raw).into(), 4),
         _ => {
-            return Err(DecodeError::Unsupported {
-                what: "color type",
-            });
+            return Err(DecodeError::Unsupported { what: "color type" });
         }
     };
     for px in bytes.chunks_exact(channels) {
@@ -164,7 +169,10 @@ fn read_rgb8(
         };
         out.extend_from_slice(&[over_white(r, a), over_white(g, a), over_white(b, a)]);
     }
-    Ok(Decoded { width: w, height: h })
+    Ok(Decoded {
+        width: w,
+        height: h,
+    })
 }
 
 fn over_white(c: u8, a: u8) -> u8 {

@@ -65,7 +65,10 @@ mod tests {
         assert_eq!(sniff(b"\x89PNG\r\n\x1a\nrest"), Some(Format::Png));
         assert_eq!(sniff(b"RIFF\0\0\0\0WEBPVP8 "), Some(Format::WebP));
         assert_eq!(sniff(b"<!DOCTYPE html>"), None);
-        assert_eq!(describe_unknown(b"  <html><body>503</body></html>"), "html or xml");
+        assert_eq!(
+            describe_unknown(b"  <html><body>503</body></html>"),
+            "html or xml"
+        );
         assert_eq!(describe_unknown(b"hello world\n"), "text");
         assert_eq!(describe_unknown(b"GIF89a...."), "gif");
     }

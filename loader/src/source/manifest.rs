@@ -87,7 +87,13 @@ mod tests {
         let meta: serde_json::Value = serde_json::from_str(&s[0].metadata).unwrap();
         assert_eq!(meta["caption"], "a cat");
         assert_eq!(meta["label"], 3);
-        assert_eq!(s[1], SampleRef { key: "b.png".into(), metadata: String::new() });
+        assert_eq!(
+            s[1],
+            SampleRef {
+                key: "b.png".into(),
+                metadata: String::new()
+            }
+        );
         assert_eq!(s[2].key, "c.webp");
         let bad = parse_manifest("m.jsonl", "{\"caption\":\"x\"}").unwrap_err();
         assert!(bad.to_string().contains("line 1"));
@@ -97,8 +103,14 @@ mod tests {
     fn parses_locations() {
         assert_eq!(
             ManifestLocation::parse("s3://b/dir/train.jsonl"),
-            ManifestLocation::S3 { bucket: "b".into(), key: "dir/train.jsonl".into() }
+            ManifestLocation::S3 {
+                bucket: "b".into(),
+                key: "dir/train.jsonl".into()
+            }
         );
-        assert_eq!(ManifestLocation::parse("/tmp/m.jsonl"), ManifestLocation::File("/tmp/m.jsonl".into()));
+        assert_eq!(
+            ManifestLocation::parse("/tmp/m.jsonl"),
+            ManifestLocation::File("/tmp/m.jsonl".into())
+        );
     }
 }

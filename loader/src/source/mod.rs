@@ -4,7 +4,7 @@
 mod manifest;
 mod s3;
 
-pub use manifest::{parse_manifest, ManifestLocation};
+pub use manifest::{ManifestLocation, parse_manifest};
 pub use s3::{RetryPolicy, S3Config, S3Source, StaticCredentials};
 
 use crate::decode::SkipReason;
@@ -40,7 +40,9 @@ pub enum SourceError {
         key: String,
         status: u16,
     },
-    #[error("s3://{bucket}/{key}: timed out or connection failed after {attempts} attempts: {detail}")]
+    #[error(
+        "s3://{bucket}/{key}: timed out or connection failed after {attempts} attempts: {detail}"
+    )]
     Transport {
         bucket: String,
         key: String,

@@ -6,10 +6,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aws_config::BehaviorVersion;
-use aws_config::meta::region::RegionProviderChain;
 use aws_config::retry::RetryConfig;
 use aws_config::timeout::TimeoutConfig;
-use aws_sdk_s3::config::{Credentials, Region, RequestChecksumCalculation, ResponseChecksumValidation};
+use aws_sdk_s3::config::{
+    Credentials, Region, RequestChecksumCalculation, ResponseChecksumValidation,
+};
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_smithy_http_client::tls;
 use bytes::Bytes;
@@ -153,14 +154,16 @@ impl S3Source {
     pub async fn connect(config: &S3Config, metrics: Arc<LoaderMetrics>) -> S3Source {
         // hyper 1 + rustls/ring; TCP_NODELAY is on by default in this connector.
         let http_client = aws_smithy_http_client::Builder::new()
-            .tls_provider(tls::Provider::Rustls(tls::rustls_provider::CryptoMode::Ring))
+            .tls_provider(tls::Provider::Rustls(
+                tls::rustls_provider::CryptoMode::Ring,
+            ))
             .build_https();
-        let region = RegionProviderChain::first_try(config.region.clone().map(Region::new))
-            .or_default_provider()
-            .or_else(Region::new("us-east-1"));
-        let mut loader = aws_config::defaults(BehaviorVersion::latest())
-            .http_client(http_client)
-            .region(region);
+        // Without an explicit region the loader's own chain (environment, profile, instance
+        // metadata) runs with the client above; S3-compatible stores default to us-east-1.
+        let mut loader = aws_config::defaults(BehaviorVersion::latest()).http_client(http_client);
+        if let Some(r) = &config.region {
+            loader = loader.region(Region::new(r.clone()));
+        }
         if let Some(c) = &config.credentials {
             loader = loader.credentials_provider(Credentials::new(
                 c.access_key_id.clone(),
@@ -183,6 +186,9 @@ impl S3Source {
             // Checksums cost CPU on every byte and S3-compatible stores differ on them.
             .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
             .response_checksum_validation(ResponseChecksumValidation::WhenRequired);
+        if shared.region().is_none() {
+            builder = builder.region(Region::new("us-east-1"));
+        }
         if let Some(ep) = &config.endpoint {
             builder = builder.endpoint_url(ep);
         }
@@ -207,7 +213,14 @@ impl S3Source {
                 let _permit = self.gets.acquire().await;
                 let t0 = Instant::now();
                 self.metrics.s3_request("get_object");
-                let result = match self.client.get_object().bucket(bucket).key(key).send().await {
+                let result = match self
+                    .client
+                    .get_object()
+                    .bucket(bucket)
+                    .key(key)
+                    .send()
+                    .await
+                {
                     Ok(out) => match out.body.collect().await {
                         Ok(data) => Ok(data.into_bytes()),
                         Err(e) => Err(Attempt::Retry {
@@ -290,7 +303,12 @@ impl S3Source {
 
     /// Lists every key under `prefix` (ListObjectsV2, `page_size` keys per page), retrying
     /// each page like a GET. Keys ending in `/` (folder markers) are left out.
-    pub async fn list(&self, bucket: &str, prefix: &str, page_size: i32) -> Result<Vec<SampleRef>, SourceError> {
+    pub async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        page_size: i32,
+    ) -> Result<Vec<SampleRef>, SourceError> {
         let mut out = Vec::new();
         let mut token: Option<String> = None;
         loop {
@@ -354,7 +372,10 @@ impl S3Source {
     }
 
     /// Reads a JSONL manifest from S3 or the local disk.
-    pub async fn load_manifest(&self, location: &ManifestLocation) -> Result<Vec<SampleRef>, SourceError> {
+    pub async fn load_manifest(
+        &self,
+        location: &ManifestLocation,
+    ) -> Result<Vec<SampleRef>, SourceError> {
         let name = location.to_string();
         let text = match location {
             ManifestLocation::S3 { bucket, key } => {

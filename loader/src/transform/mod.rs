@@ -50,9 +50,14 @@ impl Transform {
     pub fn validate(&self) -> Result<(), TransformError> {
         match *self {
             Transform::Crop { width, height } | Transform::Fit { width, height, .. } => {
-                if width == 0 || height == 0 || u64::from(width) * u64::from(height) > MAX_OUTPUT_PIXELS {
+                if width == 0
+                    || height == 0
+                    || u64::from(width) * u64::from(height) > MAX_OUTPUT_PIXELS
+                {
                     return Err(TransformError::InvalidSettings {
-                        detail: format!("target {width}x{height} must be 1..={MAX_OUTPUT_PIXELS} pixels"),
+                        detail: format!(
+                            "target {width}x{height} must be 1..={MAX_OUTPUT_PIXELS} pixels"
+                        ),
                     });
                 }
             }
@@ -103,9 +108,10 @@ impl Transform {
             Transform::Fit { .. } => sx.min(sy),
             _ => sx.max(sy),
         };
+        // The epsilon keeps float noise (448.0000001) from asking for one more pixel.
         Ok((
-            (f64::from(w) * s).ceil() as u32,
-            (f64::from(h) * s).ceil() as u32,
+            (f64::from(w) * s - 1e-6).ceil() as u32,
+            (f64::from(h) * s - 1e-6).ceil() as u32,
         ))
     }
 
@@ -121,11 +127,10 @@ impl Transform {
         resizer: &mut Resizer,
     ) -> Result<(), TransformError> {
         let (ow, oh) = out_size;
-        let src_img = ImageRef::new(sw, sh, src, PixelType::U8x3).map_err(|e| {
-            TransformError::Resize {
+        let src_img =
+            ImageRef::new(sw, sh, src, PixelType::U8x3).map_err(|e| TransformError::Resize {
                 detail: e.to_string(),
-            }
-        })?;
+            })?;
         let mut dst_img = Image::from_slice_u8(ow, oh, dst, PixelType::U8x3).map_err(|e| {
             TransformError::Resize {
                 detail: e.to_string(),
@@ -144,11 +149,12 @@ impl Transform {
                 let (iw, ih) = fit_inner_size(sw, sh, ow, oh);
                 dst_img.buffer_mut().fill(pad);
                 let (left, top) = ((ow - iw) / 2, (oh - ih) / 2);
-                let mut inner = CroppedImageMut::new(&mut dst_img, left, top, iw, ih).map_err(
-                    |e| TransformError::Resize {
-                        detail: e.to_string(),
-                    },
-                )?;
+                let mut inner =
+                    CroppedImageMut::new(&mut dst_img, left, top, iw, ih).map_err(|e| {
+                        TransformError::Resize {
+                            detail: e.to_string(),
+                        }
+                    })?;
                 resizer.resize(&src_img, &mut inner, &alg)
             }
             Transform::QwenSmart { .. } => resizer.resize(&src_img, &mut dst_img, &alg),
@@ -250,7 +256,10 @@ mod tests {
             assert_eq!(ow % 32, 0);
             assert_eq!(oh % 32, 0);
             let px = u64::from(ow) * u64::from(oh);
-            assert!((64 * 32 * 32..=1024 * 32 * 32).contains(&px), "{w}x{h} -> {ow}x{oh}");
+            assert!(
+                (64 * 32 * 32..=1024 * 32 * 32).contains(&px),
+                "{w}x{h} -> {ow}x{oh}"
+            );
             let (ar_in, ar_out) = (f64::from(w) / f64::from(h), f64::from(ow) / f64::from(oh));
             assert!((ar_in / ar_out - 1.0).abs() < 0.35, "{w}x{h} -> {ow}x{oh}");
         }
@@ -258,18 +267,30 @@ mod tests {
 
     #[test]
     fn min_source_size_follows_the_mode() {
-        let crop = Transform::Crop { width: 448, height: 448 };
+        let crop = Transform::Crop {
+            width: 448,
+            height: 448,
+        };
         assert_eq!(crop.min_source_size(1600, 1200).unwrap(), (598, 448));
-        let fit = Transform::Fit { width: 448, height: 448, pad: 0 };
+        let fit = Transform::Fit {
+            width: 448,
+            height: 448,
+            pad: 0,
+        };
         assert_eq!(fit.min_source_size(1600, 1200).unwrap(), (448, 336));
     }
 
     #[test]
     fn fit_pads_and_centers() {
-        let fit = Transform::Fit { width: 8, height: 8, pad: 7 };
+        let fit = Transform::Fit {
+            width: 8,
+            height: 8,
+            pad: 7,
+        };
         let src = vec![200u8; 8 * 4 * 3];
         let mut dst = vec![0u8; 8 * 8 * 3];
-        fit.apply(&src, 8, 4, (8, 8), &mut dst, &mut Resizer::new()).unwrap();
+        fit.apply(&src, 8, 4, (8, 8), &mut dst, &mut Resizer::new())
+            .unwrap();
         // Rows 0-1 and 6-7 are padding, rows 2-5 carry the image.
         assert!(dst[..2 * 8 * 3].iter().all(|&v| v == 7));
         assert!(dst[2 * 8 * 3..6 * 8 * 3].iter().all(|&v| v == 200));

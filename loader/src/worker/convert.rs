@@ -9,7 +9,8 @@ pub fn transform_from_proto(t: Option<&proto::Transform>) -> Result<Transform, T
     let t = t.ok_or_else(|| TransformError::InvalidSettings {
         detail: "missing transform".into(),
     })?;
-    let mode = proto::transform::Mode::try_from(t.mode).unwrap_or(proto::transform::Mode::Unspecified);
+    let mode =
+        proto::transform::Mode::try_from(t.mode).unwrap_or(proto::transform::Mode::Unspecified);
     let transform = match mode {
         proto::transform::Mode::Crop => Transform::Crop {
             width: t.width,

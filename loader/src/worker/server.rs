@@ -82,7 +82,10 @@ impl DecodeServer {
     /// Serves until `shutdown` resolves, then drains: readiness turns 503, new batches are
     /// refused with UNAVAILABLE, in-flight batches finish (up to the drain timeout), and the
     /// servers stop.
-    pub async fn serve(self, shutdown: impl std::future::Future<Output = ()> + Send) -> anyhow::Result<()> {
+    pub async fn serve(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> anyhow::Result<()> {
         let threads = if self.config.threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {
@@ -146,14 +149,20 @@ impl DecodeServer {
         let drain_timeout = self.config.drain_timeout;
         let drain = async move {
             shutdown.await;
-            tracing::info!(inflight = state.inflight(), "draining: refusing new batches");
+            tracing::info!(
+                inflight = state.inflight(),
+                "draining: refusing new batches"
+            );
             state.start_draining();
             let deadline = Instant::now() + drain_timeout;
             while state.inflight() > 0 && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             if state.inflight() > 0 {
-                tracing::warn!(inflight = state.inflight(), "drain timeout; stopping anyway");
+                tracing::warn!(
+                    inflight = state.inflight(),
+                    "drain timeout; stopping anyway"
+                );
             } else {
                 tracing::info!("drained");
             }
@@ -167,7 +176,9 @@ impl DecodeServer {
     }
 }
 
-async fn metrics_handler(State(state): State<Arc<WorkerState>>) -> impl axum::response::IntoResponse {
+async fn metrics_handler(
+    State(state): State<Arc<WorkerState>>,
+) -> impl axum::response::IntoResponse {
     (
         [(
             axum::http::header::CONTENT_TYPE,

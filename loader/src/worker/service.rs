@@ -78,7 +78,10 @@ impl DecodeWorker {
         limits: DecodeLimits,
         max_batch_samples: usize,
     ) -> Self {
-        state.metrics.pool_threads.set(pool.current_num_threads() as i64);
+        state
+            .metrics
+            .pool_threads
+            .set(pool.current_num_threads() as i64);
         Self {
             state,
             source,
@@ -193,7 +196,8 @@ impl DecodeService for DecodeWorker {
         let decoded = batch.decoded_count().max(1) as u32;
         metrics.observe_stage("decode", tm.decode_cpu / decoded);
         metrics.observe_stage("resize", tm.resize_cpu / decoded);
-        let samples: Vec<proto::SampleMeta> = batch.samples.into_iter().map(meta_to_proto).collect();
+        let samples: Vec<proto::SampleMeta> =
+            batch.samples.into_iter().map(meta_to_proto).collect();
         // Moves the buffer into the reply; no copy.
         let pixels = Bytes::from(batch.pixels);
         let pack = tm.pack_wall + t_pack.elapsed();

@@ -19,7 +19,11 @@ pub fn pattern(w: u32, h: u32) -> Vec<u8> {
     for y in 0..h {
         for x in 0..w {
             let block = x < w / 4 && y < h / 4;
-            let r = if block { 250 } else { (x * 200 / w.max(1)) as u8 };
+            let r = if block {
+                250
+            } else {
+                (x * 200 / w.max(1)) as u8
+            };
             let g = (y * 200 / h.max(1)) as u8;
             let b = (((x + y) * 255) / (w + h)) as u8;
             out.extend_from_slice(&[r, g, b]);
@@ -57,7 +61,10 @@ pub fn png(w: u32, h: u32) -> Vec<u8> {
 pub fn png_rgba(w: u32, h: u32, alpha: u8) -> Vec<u8> {
     use image::ImageEncoder;
     let rgb = pattern(w, h);
-    let rgba: Vec<u8> = rgb.chunks(3).flat_map(|p| [p[0], p[1], p[2], alpha]).collect();
+    let rgba: Vec<u8> = rgb
+        .chunks(3)
+        .flat_map(|p| [p[0], p[1], p[2], alpha])
+        .collect();
     let mut out = Vec::new();
     image::codecs::png::PngEncoder::new(&mut out)
         .write_image(&rgba, w, h, image::ExtendedColorType::Rgba8)
@@ -93,7 +100,10 @@ pub fn s3_config(server: &S3Server) -> S3Config {
 
 pub async fn source(server: &S3Server) -> (S3Source, Arc<LoaderMetrics>) {
     let metrics = Arc::new(LoaderMetrics::new());
-    (S3Source::connect(&s3_config(server), metrics.clone()).await, metrics)
+    (
+        S3Source::connect(&s3_config(server), metrics.clone()).await,
+        metrics,
+    )
 }
 
 /// An in-process worker on loopback ports; dropped with the test's runtime.
@@ -132,7 +142,9 @@ pub async fn worker(server: Option<&S3Server>, threads: usize) -> TestWorker {
             })
             .await;
     });
-    let client = DecodeClient::connect(format!("http://{grpc}")).await.expect("connect");
+    let client = DecodeClient::connect(format!("http://{grpc}"))
+        .await
+        .expect("connect");
     TestWorker {
         client,
         state,
@@ -178,7 +190,11 @@ pub fn metric(text: &str, series: &str) -> f64 {
 /// Mean absolute difference of two equally sized buffers.
 pub fn mean_abs_diff(a: &[u8], b: &[u8]) -> f64 {
     assert_eq!(a.len(), b.len());
-    let sum: u64 = a.iter().zip(b).map(|(x, y)| u64::from(x.abs_diff(*y))).sum();
+    let sum: u64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| u64::from(x.abs_diff(*y)))
+        .sum();
     sum as f64 / a.len() as f64
 }
 
@@ -192,8 +208,15 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).await.unwrap();
     let text = String::from_utf8_lossy(&buf).to_string();
-    let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     (status, body)
 }
 
