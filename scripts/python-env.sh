@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The Python environment the tests use: a venv (never the system Python) with numpy and pytest,
+# and the `stoker` client installed from clients/python. Cached: a warm machine reinstalls only
+# when clients/python changes. Prints the venv's path.
+#   STOKER_VENV=/path   where the venv lives (default ~/.cache/stoker/venv)
+# torch is optional for the client and not installed here (the PyPI wheel brings ~3 GB of CUDA
+# libraries); scripts/bench-*.sh use their own venv with torch.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${STOKER_VENV:-${STOKER_CACHE:-$HOME/.cache/stoker}/venv}
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+if ! "$venv/bin/python" -c 'import numpy, pytest' 2>/dev/null; then
+  echo "[python] installing numpy, pytest into $venv" >&2
+  "$venv/bin/pip" install --quiet numpy pytest
+fi
+if [ -f "$root/clients/python/pyproject.toml" ]; then
+  stamp="$venv/.stoker-client-$(find "$root/clients/python" -type f \( -name '*.py' -o -name '*.toml' \) \
+    -not -path '*/tests/*' -print0 | sort -z | xargs -0 cat | sha256sum | cut -c1-16)"
+  if [ ! -f "$stamp" ]; then
+    echo "[python] installing clients/python into $venv" >&2
+    "$venv/bin/pip" install --quiet "$root/clients/python"
+    rm -f "$venv"/.stoker-client-* && touch "$stamp"
+  fi
+fi
+echo "$venv"
