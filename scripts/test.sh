@@ -21,12 +21,19 @@ venv=$(scripts/python-env.sh)
 step "build"
 cargo build --workspace --all-targets --locked
 step "cargo test"
-cargo test --workspace --locked
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace --locked 2>&1 | tee "$log"
+# test result: ok. 6 passed; 0 failed; 0 ignored; ...
+read -r passed failed < <(awk '/^test result:/ {p += $4; f += $6} END {print p+0, f+0}' "$log")
 
 if [ -d clients/python/tests ]; then
   step "pytest clients/python"
   STOKER_LOADER_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/stoker-loader" \
   STOKER_S3_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/stoker-s3" \
-    "$venv/bin/python" -m pytest -q clients/python/tests
+    "$venv/bin/python" -m pytest -q clients/python/tests -p no:cacheprovider 2>&1 | tee "$log"
+  read -r py_passed < <(grep -oE '[0-9]+ passed' "$log" | tail -1 | cut -d' ' -f1; echo 0)
+  passed=$((passed + ${py_passed:-0}))
 fi
-step "all tests passed"
+step "done"
+echo "stoker: $passed passed, $failed failed"
