@@ -196,3 +196,26 @@ impl LeaderElector {
             .await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(holder: Option<&str>, renewed: i64, duration: i32) -> LeaseSpec {
+        LeaseSpec {
+            holder_identity: holder.map(Into::into),
+            renew_time: Some(MicroTime(Timestamp::from_second(renewed).expect("ts"))),
+            lease_duration_seconds: Some(duration),
+            ..LeaseSpec::default()
+        }
+    }
+
+    #[test]
+    fn a_lease_expires_after_its_duration() {
+        let now = Timestamp::from_second(1_000).expect("ts");
+        assert!(!is_expired(&spec(Some("a"), 990, 15), now));
+        assert!(is_expired(&spec(Some("a"), 980, 15), now));
+        assert!(is_expired(&spec(None, 999, 15), now));
+        assert!(is_expired(&spec(Some(""), 999, 15), now));
+    }
+}

@@ -164,3 +164,138 @@ pub fn fleet_status(pods: &[Pod], desired: i32) -> DecoderFleetStatus {
         nodes: i32::try_from(nodes.len()).unwrap_or(i32::MAX),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{PodCondition, PodSpec, PodStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+    use std::collections::BTreeMap;
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).expect("valid")
+    }
+
+    fn pod(name: &str, node: Option<&str>, ready: bool, created: i64) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                creation_timestamp: Some(Time(t(created))),
+                labels: Some(BTreeMap::from([(LABEL_DRAINING.into(), "false".into())])),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                node_name: node.map(Into::into),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Running".into()),
+                conditions: Some(vec![PodCondition {
+                    type_: "Ready".into(),
+                    status: if ready { "True" } else { "False" }.into(),
+                    ..PodCondition::default()
+                }]),
+                ..PodStatus::default()
+            }),
+        }
+    }
+
+    fn draining(mut p: Pod, since: i64) -> Pod {
+        p.labels_mut().insert(LABEL_DRAINING.into(), "true".into());
+        p.annotations_mut()
+            .insert(ANNOTATION_DRAIN_STARTED.into(), t(since).to_string());
+        p
+    }
+
+    #[test]
+    fn creates_up_to_desired() {
+        let pods = vec![pod("a", Some("n1"), true, 0)];
+        let p = plan(&pods, 4, 30, t(100));
+        assert_eq!(p.create, 3);
+        assert!(p.drain.is_empty() && p.delete.is_empty());
+    }
+
+    #[test]
+    fn steady_state_changes_nothing() {
+        let pods = vec![pod("a", Some("n1"), true, 0), pod("b", Some("n2"), true, 0)];
+        assert_eq!(plan(&pods, 2, 30, t(100)), FleetPlan::default());
+    }
+
+    #[test]
+    fn scale_down_drains_not_ready_then_crowded_then_newest() {
+        let pods = vec![
+            pod("old-n1", Some("n1"), true, 0),
+            pod("new-n1", Some("n1"), true, 50),
+            pod("n2", Some("n2"), true, 60),
+            pod("n3", Some("n3"), true, 70),
+            pod("sick", Some("n3"), false, 1),
+        ];
+        let p = plan(&pods, 2, 30, t(100));
+        // Not ready first; then n1 (two pods) loses its newest; then the newest of the rest.
+        assert_eq!(p.drain, vec!["sick", "new-n1", "n3"]);
+        assert_eq!(p.create, 0);
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn drained_pods_are_deleted_after_the_grace_period() {
+        let pods = vec![
+            draining(pod("done", Some("n1"), true, 0), 0),
+            draining(pod("waiting", Some("n2"), true, 0), 90),
+            pod("serving", Some("n3"), true, 0),
+        ];
+        let p = plan(&pods, 1, 30, t(100));
+        assert_eq!(p.delete, vec!["done"]);
+        assert!(p.drain.is_empty());
+        assert_eq!(p.create, 0, "draining pods do not count as serving, nor block scale-up");
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(20)));
+    }
+
+    #[test]
+    fn failed_pods_are_replaced() {
+        let mut failed = pod("failed", Some("n1"), false, 0);
+        failed.status.as_mut().expect("status").phase = Some("Failed".into());
+        let pods = vec![failed, pod("ok", Some("n2"), true, 0)];
+        let p = plan(&pods, 2, 30, t(100));
+        assert_eq!(p.delete, vec!["failed"]);
+        assert_eq!(p.failed, 1);
+        assert_eq!(p.create, 1);
+    }
+
+    #[test]
+    fn terminating_pods_are_ignored() {
+        let mut gone = pod("gone", Some("n1"), true, 0);
+        gone.metadata.deletion_timestamp = Some(Time(t(90)));
+        let p = plan(&[gone], 1, 30, t(100));
+        assert_eq!(p.create, 1);
+        assert!(p.delete.is_empty());
+    }
+
+    #[test]
+    fn status_counts_ready_draining_and_nodes() {
+        let pods = vec![
+            pod("a", Some("n1"), true, 0),
+            pod("b", Some("n1"), true, 0),
+            pod("c", Some("n2"), false, 0),
+            draining(pod("d", Some("n3"), true, 0), 0),
+        ];
+        let s = fleet_status(&pods, 3);
+        assert_eq!((s.desired, s.ready, s.draining, s.nodes), (3, 2, 1, 1));
+    }
+
+    #[test]
+    fn desired_follows_the_mode() {
+        let dp: crate::api::DataPipeline =
+            serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
+                .expect("fixture");
+        assert_eq!(desired_replicas(&dp.spec, None), 4);
+        assert_eq!(desired_replicas(&dp.spec, Some(100)), 64);
+        assert_eq!(desired_replicas(&dp.spec, Some(10)), 10);
+        let mut spec = dp.spec.clone();
+        spec.autoscaling.mode = AutoscalingMode::Recommend;
+        assert_eq!(desired_replicas(&spec, Some(10)), 4);
+        spec.autoscaling.mode = AutoscalingMode::Off;
+        spec.autoscaling.replicas = Some(7);
+        assert_eq!(desired_replicas(&spec, Some(10)), 7);
+    }
+}

@@ -45,3 +45,29 @@ pub fn trainer_status(trainers: &[Pod]) -> TrainerStatus {
         world_size: declared.unwrap_or(pods),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn pod(world: Option<&str>, injected: bool) -> Pod {
+        let mut p = Pod::default();
+        if let Some(w) = world {
+            p.metadata.annotations = Some(BTreeMap::from([(ANNOTATION_WORLD_SIZE.to_string(), w.to_string())]));
+        }
+        if injected {
+            p.annotations_mut().insert(ANNOTATION_INJECTED.to_string(), "true".into());
+        }
+        p
+    }
+
+    #[test]
+    fn counts_pods_injection_and_world_size() {
+        let s = trainer_status(&[pod(None, true), pod(None, false)]);
+        assert_eq!((s.pods, s.injected, s.world_size), (2, 1, 2));
+        let s = trainer_status(&[pod(Some("16"), true), pod(Some("16"), true)]);
+        assert_eq!(s.world_size, 16);
+        assert_eq!(trainer_status(&[]).pods, 0);
+    }
+}

@@ -361,3 +361,71 @@ pub async fn patch_ca_bundle(client: &Client, name: &str, ca_pem: &str) -> Resul
 pub fn base64_pem(pem: &str) -> String {
     base64::engine::general_purpose::STANDARD.encode(pem)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> SelfManaged {
+        SelfManaged {
+            secret_namespace: "stoker-system".into(),
+            secret_name: "tls".into(),
+            dns_names: vec!["stoker-webhook.stoker-system.svc".into()],
+            ip_addresses: vec!["127.0.0.1".parse().expect("ip")],
+            webhook_configuration: "x".into(),
+            validity: Duration::from_secs(90 * 86_400),
+            renew_before: Duration::from_secs(30 * 86_400),
+        }
+    }
+
+    fn secret_for(issued: &Issued, c: &SelfManaged) -> Secret {
+        Secret {
+            metadata: ObjectMeta {
+                annotations: Some(BTreeMap::from([
+                    (ANNOTATION_NOT_AFTER.to_string(), issued.not_after.to_string()),
+                    (ANNOTATION_SANS.to_string(), sans_label(&c.dns_names, &c.ip_addresses)),
+                ])),
+                ..ObjectMeta::default()
+            },
+            data: Some(secret_data(issued)),
+            ..Secret::default()
+        }
+    }
+
+    #[test]
+    fn issued_certificate_loads_into_rustls() {
+        let c = cfg();
+        let issued = issue(&c.dns_names, &c.ip_addresses, c.validity, None).expect("issue");
+        certified_key(issued.cert_pem.as_bytes(), issued.key_pem.as_bytes()).expect("loads");
+        assert!(issued.ca_pem.contains("BEGIN CERTIFICATE"));
+    }
+
+    #[test]
+    fn renewal_keeps_the_ca() {
+        let c = cfg();
+        let first = issue(&c.dns_names, &c.ip_addresses, c.validity, None).expect("issue");
+        let second = issue(
+            &c.dns_names,
+            &c.ip_addresses,
+            c.validity,
+            Some((&first.ca_pem, &first.ca_key_pem)),
+        )
+        .expect("renew");
+        assert_eq!(first.ca_pem, second.ca_pem);
+        assert_ne!(first.cert_pem, second.cert_pem);
+    }
+
+    #[test]
+    fn renews_near_expiry_or_for_new_names() {
+        let c = cfg();
+        let issued = issue(&c.dns_names, &c.ip_addresses, c.validity, None).expect("issue");
+        let secret = secret_for(&issued, &c);
+        assert!(!needs_renewal(&secret, &c, Timestamp::now()));
+        let later = Timestamp::now() + std::time::Duration::from_secs(61 * 86_400);
+        assert!(needs_renewal(&secret, &c, later));
+        let mut other = cfg();
+        other.dns_names.push("stoker-webhook.other.svc".into());
+        assert!(needs_renewal(&secret, &other, Timestamp::now()));
+        assert!(needs_renewal(&Secret::default(), &c, Timestamp::now()));
+    }
+}

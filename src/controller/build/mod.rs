@@ -97,3 +97,107 @@ pub fn owner_reference(dp: &DataPipeline) -> Option<OwnerReference> {
         o
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::LABEL_DRAINING;
+    use k8s_openapi::api::core::v1::Pod;
+
+    fn dp() -> DataPipeline {
+        serde_yaml::from_str(include_str!("../../../tests/fixtures/datapipeline-crop.yaml"))
+            .expect("fixture")
+    }
+
+    #[test]
+    fn decoder_pod_carries_the_pipeline_settings() {
+        let dp = dp();
+        let pod: Pod = decoder_pod::decoder_pod(&dp, "abcde", &BuildDefaults::default());
+        assert_eq!(pod.metadata.name.as_deref(), Some("qwen3vl-pretrain-decoder-abcde"));
+        let labels = pod.metadata.labels.clone().expect("labels");
+        assert_eq!(labels[LABEL_ROLE], ROLE_DECODER);
+        assert_eq!(labels[LABEL_DRAINING], "false");
+        let owner = &pod.metadata.owner_references.as_ref().expect("owner")[0];
+        assert_eq!((owner.kind.as_str(), owner.controller), ("DataPipeline", Some(true)));
+        let spec = pod.spec.expect("spec");
+        assert_eq!(spec.node_selector.expect("selector")["stoker.dev/pool"], "cpu");
+        assert_eq!(spec.tolerations.expect("tolerations").len(), 1);
+        let spread = spec.topology_spread_constraints.expect("spread");
+        let keys: Vec<_> = spread.iter().map(|c| c.topology_key.as_str()).collect();
+        assert_eq!(keys, ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]);
+        assert!(spread.iter().all(|c| c.node_taints_policy.as_deref() == Some("Honor")
+            && c.when_unsatisfiable == "DoNotSchedule"
+            && c.max_skew == 1));
+        let c = &spec.containers[0];
+        let args = c.args.clone().expect("args").join(" ");
+        assert!(args.starts_with("decode --listen 0.0.0.0:50051 --metrics 0.0.0.0:9090"));
+        let probe = c.readiness_probe.as_ref().and_then(|p| p.http_get.as_ref()).expect("probe");
+        assert_eq!(probe.path.as_deref(), Some("/readyz"));
+        let sc = c.security_context.as_ref().expect("security context");
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        let requests = c.resources.as_ref().and_then(|r| r.requests.clone()).expect("requests");
+        assert_eq!(requests["cpu"].0, "4");
+        assert_eq!(c.env_from.as_ref().expect("creds")[0].secret_ref.as_ref().expect("secret").name, "s3-creds");
+    }
+
+    #[test]
+    fn template_hash_changes_with_the_spec_only() {
+        let a = decoder_pod::decoder_pod(&dp(), "aaaaa", &BuildDefaults::default());
+        let b = decoder_pod::decoder_pod(&dp(), "bbbbb", &BuildDefaults::default());
+        let mut changed = dp();
+        changed.spec.decoders.image = Some("registry.local/loader:2".into());
+        let c = decoder_pod::decoder_pod(&changed, "ccccc", &BuildDefaults::default());
+        let hash = |p: &Pod| p.metadata.labels.as_ref().expect("labels")[crate::api::LABEL_TEMPLATE_HASH].clone();
+        assert_eq!(hash(&a), hash(&b));
+        assert_ne!(hash(&a), hash(&c));
+    }
+
+    #[test]
+    fn service_selects_only_serving_decoders() {
+        let svc = service::decoder_service(&dp());
+        let selector = svc.spec.expect("spec").selector.expect("selector");
+        assert_eq!(selector[LABEL_DRAINING], "false");
+        assert_eq!(selector[LABEL_ROLE], ROLE_DECODER);
+        assert_eq!(svc.metadata.name.as_deref(), Some("qwen3vl-pretrain-decoders"));
+    }
+
+    #[test]
+    fn network_policy_admits_only_the_pipelines_trainers_to_grpc() {
+        let np = network_policy::network_policy(&dp());
+        let spec = np.spec.expect("spec");
+        let grpc = &spec.ingress.as_ref().expect("ingress")[0];
+        let from = grpc.from.as_ref().expect("from")[0]
+            .pod_selector
+            .as_ref()
+            .and_then(|s| s.match_labels.clone())
+            .expect("labels");
+        assert_eq!(from[LABEL_PIPELINE], "qwen3vl-pretrain");
+        assert_eq!(from[LABEL_ROLE], crate::api::ROLE_TRAINER);
+        assert_eq!(spec.policy_types, Some(vec!["Ingress".to_string()]));
+    }
+
+    #[test]
+    fn config_map_holds_the_loader_contract() {
+        let cm = config_map::config_map(&dp()).expect("builds");
+        let json = &cm.data.expect("data")[CONFIG_FILE];
+        let cfg: config_map::LoaderConfig = serde_json::from_str(json).expect("parses");
+        assert_eq!(cfg.batch.size, 32);
+        assert_eq!(cfg.source.s3.bucket, "laion-subset");
+        assert_eq!(
+            cfg.decoder_selector,
+            "stoker.dev/pipeline=qwen3vl-pretrain,stoker.dev/role=decoder,stoker.dev/draining=false"
+        );
+    }
+
+    #[test]
+    fn sidecar_rbac_reads_pods_only() {
+        let role = sidecar_rbac::sidecar_role(&dp());
+        let rules = role.rules.expect("rules");
+        assert_eq!(rules.len(), 1);
+        assert_eq!(rules[0].resources, Some(vec!["pods".to_string()]));
+        assert_eq!(rules[0].verbs, ["get", "list", "watch"]);
+        let binding = sidecar_rbac::sidecar_role_binding(&dp());
+        assert_eq!(binding.subjects.expect("subjects")[0].name, "default");
+    }
+}
