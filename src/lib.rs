@@ -5,6 +5,7 @@
 //! in-process with their own client and a [`CancellationToken`].
 
 pub mod api;
+pub mod autoscale;
 pub mod controller;
 pub mod leader;
 pub mod telemetry;

@@ -69,7 +69,7 @@ use serde::{Deserialize, Serialize};
         "self.autoscaling.mode != 'off' || (has(self.autoscaling.replicas) && self.autoscaling.replicas >= self.decoders.minReplicas && self.autoscaling.replicas <= self.decoders.maxReplicas)"
     ).message("autoscaling.replicas is required when autoscaling.mode is off and must lie between decoders.minReplicas and decoders.maxReplicas").field_path(".autoscaling.replicas"),
     validation = kube::core::Rule::new(
-        "quantity(self.trainer.sharedMemory).compareTo(quantity(string(self.trainer.prefetchBatches * self.batch.size * (self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0)) * 3))) >= 0"
+        "!isQuantity(self.trainer.sharedMemory) || quantity(self.trainer.sharedMemory).asApproximateFloat() >= double(self.trainer.prefetchBatches * self.batch.size * 3) * double(self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0))"
     ).message("trainer.sharedMemory is too small: it must hold trainer.prefetchBatches × batch.size × (width × height, or maxPixels) × 3 bytes").field_path(".trainer.sharedMemory")
 )]
 #[serde(rename_all = "camelCase")]

@@ -1,0 +1,649 @@
+//! The scaling policy: signals and the fleet as it is → a [`ScaleDecision`]. Pure: no clock,
+//! no I/O; the caller passes `now` and keeps the [`ScaleHistory`].
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+use k8s_openapi::jiff::Timestamp;
+
+use crate::api::v1alpha1::AutoscalingMode;
+
+use super::signals::Signals;
+
+/// Everything the policy is told by the user (through the `DataPipeline`) or defaults to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AutoscalingPolicy {
+    pub mode: AutoscalingMode,
+    pub min_replicas: u32,
+    pub max_replicas: u32,
+    /// The decoder count when `mode` is off.
+    pub fixed_replicas: Option<u32>,
+    /// Share (0..=1) of wall time a trainer may wait for data.
+    pub target_data_wait: f64,
+    /// Share (0..=1) of its link no node's NIC is pushed past.
+    pub max_nic_utilization: f64,
+    pub scale_up_stabilization: Duration,
+    pub scale_down_stabilization: Duration,
+    pub max_scale_up_step: u32,
+    pub max_scale_down_step: u32,
+    /// Capacity over the measured need, so that a small rise in demand does not starve at once.
+    pub headroom: f64,
+    /// Relative change of the decoder count below which nothing changes: noise never scales.
+    pub tolerance: f64,
+    /// Share of S3 requests throttled above which the fleet does not grow.
+    pub max_s3_throttle_share: f64,
+    /// Most of the work the sidecars may decode locally when their node's NIC is the bottleneck;
+    /// local decode takes CPU from the trainer's node.
+    pub max_local_decode_share: f64,
+    /// The Prometheus window every rate is taken over.
+    pub window: Duration,
+    /// Link speed of nodes that neither node-exporter nor `stoker.dev/nic-gbps` describe.
+    pub default_link_bytes_per_second: Option<f64>,
+}
+
+impl Default for AutoscalingPolicy {
+    fn default() -> Self {
+        Self {
+            mode: AutoscalingMode::Auto,
+            min_replicas: 1,
+            max_replicas: 16,
+            fixed_replicas: None,
+            target_data_wait: 0.05,
+            max_nic_utilization: 0.80,
+            scale_up_stabilization: Duration::ZERO,
+            scale_down_stabilization: Duration::from_secs(300),
+            max_scale_up_step: 8,
+            max_scale_down_step: 8,
+            headroom: 1.2,
+            tolerance: 0.1,
+            max_s3_throttle_share: 0.01,
+            max_local_decode_share: 0.5,
+            window: Duration::from_secs(60),
+            default_link_bytes_per_second: None,
+        }
+    }
+}
+
+/// The pipeline's pods as the operator sees them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DecoderFleet {
+    /// Decoders the fleet is asked to run now (`status.decoders.desired`).
+    pub replicas: u32,
+    /// Decoder pod → node it runs on.
+    pub pods: BTreeMap<String, String>,
+    /// Trainers (world size) now.
+    pub trainers: u32,
+    /// Node → trainer pods on it.
+    pub trainer_nodes: BTreeMap<String, u32>,
+    /// Link speeds from the nodes' `stoker.dev/nic-gbps` annotation.
+    pub node_link_bytes_per_second: BTreeMap<String, f64>,
+}
+
+/// What the autoscaler remembers of one pipeline between decisions.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ScaleHistory {
+    /// Recent recommendations (after the tolerance band), for the stabilization windows.
+    recommendations: VecDeque<(Timestamp, u32)>,
+    /// Last measured rate of one fully busy decoder, for when the fleet is idle.
+    decoder_rate: Option<f64>,
+    /// Demand of one unstarved trainer, learned while the trainer count held still.
+    per_trainer_demand: Option<f64>,
+    trainers: Option<u32>,
+    trainer_change_at: Option<Timestamp>,
+    local_decode_share: f64,
+    /// In recommend mode the fleet does not follow, so "current" is the last recommendation.
+    last_recommended: Option<u32>,
+}
+
+impl ScaleHistory {
+    /// Records a decision made at `now` so that the next one can be stabilized against it.
+    pub fn remember(&mut self, decision: &ScaleDecision, policy: &AutoscalingPolicy, now: Timestamp) {
+        let keep = policy.scale_up_stabilization.max(policy.scale_down_stabilization);
+        if let Some(raw) = decision.learned.recommendation {
+            self.recommendations.push_back((now, raw));
+        }
+        while self
+            .recommendations
+            .front()
+            .is_some_and(|(t, _)| elapsed(*t, now) > keep.as_secs_f64())
+        {
+            self.recommendations.pop_front();
+        }
+        if decision.learned.decoder_rate.is_some() {
+            self.decoder_rate = decision.learned.decoder_rate;
+        }
+        if decision.learned.per_trainer_demand.is_some() {
+            self.per_trainer_demand = decision.learned.per_trainer_demand;
+        }
+        self.trainer_change_at = decision.learned.trainer_change_at;
+        self.trainers = Some(decision.learned.trainers);
+        self.local_decode_share = decision.local_decode_share;
+        self.last_recommended = Some(decision.recommended);
+    }
+
+    /// The last recommendation, the fleet size in recommend mode.
+    pub fn last_recommended(&self) -> Option<u32> {
+        self.last_recommended
+    }
+}
+
+/// The autoscaler's conditions for one decision.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ScaleConditions {
+    /// Trainers wait for data more than the target.
+    pub starved: bool,
+    /// Trainer nodes whose own NIC limits delivery: more decoders cannot help.
+    pub network_saturated: Vec<String>,
+    pub s3_throttled: bool,
+    /// Prometheus unreachable or the sidecars' series absent: the size is kept.
+    pub metrics_unavailable: bool,
+}
+
+/// What one decision saw, in the units of `status.observed`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ObservedSummary {
+    pub data_wait_percent: Option<f64>,
+    pub gpu_utilization_percent: Option<f64>,
+    pub samples_per_second: Option<f64>,
+    pub max_nic_utilization_percent: Option<f64>,
+    pub decoder_samples_per_second: Option<f64>,
+    pub decoder_busy_percent: Option<f64>,
+    pub s3_throttles_per_second: Option<f64>,
+}
+
+/// Values a decision measured that the next decisions build on.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Learned {
+    /// The recommendation before stabilization, step limits and bounds; `None` when nothing
+    /// could be measured (it must not hold a later scale-down back).
+    pub recommendation: Option<u32>,
+    pub decoder_rate: Option<f64>,
+    pub per_trainer_demand: Option<f64>,
+    pub trainers: u32,
+    pub trainer_change_at: Option<Timestamp>,
+}
+
+/// One decision of the autoscaler for one pipeline.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScaleDecision {
+    /// The decoder count the decision started from.
+    pub from: u32,
+    /// The decoder count the policy recommends.
+    pub recommended: u32,
+    /// The decoder count the fleet should run: `recommended` in auto mode, minReplicas in
+    /// recommend mode, the fixed count when off.
+    pub replicas: u32,
+    /// The decoder count the demand needs, in one step (demand × headroom ÷ per-decoder rate).
+    pub needed: Option<u32>,
+    /// Why, in numbers.
+    pub reason: String,
+    /// Nodes new decoders must not be placed on: their NIC is above the limit.
+    pub avoid_nodes: Vec<String>,
+    /// Decoders to drain and replace elsewhere: they push their node's NIC past the limit.
+    pub move_pods: Vec<String>,
+    /// Share (0..=1) of the work the sidecars decode themselves.
+    pub local_decode_share: f64,
+    pub conditions: ScaleConditions,
+    pub observed: ObservedSummary,
+    pub learned: Learned,
+}
+
+impl ScaleDecision {
+    /// Whether the decision changes the decoder count.
+    pub fn scales(&self) -> bool {
+        self.replicas != self.from
+    }
+}
+
+/// Trainers waiting this long are treated as waiting this long: beyond it the measured rate
+/// says little about what they would consume (and 1 − wait would divide by ~0).
+const MAX_USABLE_WAIT: f64 = 0.95;
+/// Below this much busy time in the whole fleet (in decoder-seconds per second) the per-decoder
+/// rate is noise; the last good measurement stands.
+const MIN_BUSY_FOR_RATE: f64 = 0.1;
+/// A local-decode share falls only by more than this, so that it does not follow noise.
+const LOCAL_SHARE_BAND: f64 = 0.1;
+
+/// Decides the decoder count and placement for one pipeline.
+pub fn decide(
+    policy: &AutoscalingPolicy,
+    fleet: &DecoderFleet,
+    signals: Option<&Signals>,
+    history: &ScaleHistory,
+    now: Timestamp,
+) -> ScaleDecision {
+    let min = policy.min_replicas;
+    let max = policy.max_replicas.max(min);
+    let current = match policy.mode {
+        AutoscalingMode::Recommend => history.last_recommended.unwrap_or(fleet.replicas),
+        _ => fleet.replicas,
+    };
+    let mut d = ScaleDecision {
+        from: fleet.replicas,
+        recommended: current.clamp(min, max),
+        replicas: fleet.replicas,
+        needed: None,
+        reason: String::new(),
+        avoid_nodes: Vec::new(),
+        move_pods: Vec::new(),
+        local_decode_share: history.local_decode_share,
+        conditions: ScaleConditions::default(),
+        observed: ObservedSummary::default(),
+        learned: Learned {
+            decoder_rate: history.decoder_rate,
+            trainers: fleet.trainers,
+            trainer_change_at: history.trainer_change_at,
+            ..Learned::default()
+        },
+    };
+
+    if policy.mode == AutoscalingMode::Off {
+        let fixed = policy.fixed_replicas.unwrap_or(min);
+        d.recommended = fixed;
+        d.replicas = fixed;
+        d.local_decode_share = 0.0;
+        d.reason = format!("autoscaling off: {fixed} decoders");
+        return d;
+    }
+
+    let Some(s) = signals else {
+        d.conditions.metrics_unavailable = true;
+        d.reason = format!("Prometheus unreachable: keeping {} decoders", d.recommended);
+        return finish(policy, d);
+    };
+    observe(&mut d, policy, fleet, s);
+    let placement = place(&mut d, policy, fleet, s);
+
+    if fleet.trainers == 0 {
+        d.local_decode_share = 0.0;
+        d.learned.recommendation = Some(min);
+        d.reason = format!("no trainers: {min} decoders (minReplicas)");
+        append_notes(&mut d.reason, &placement);
+        return stabilize(policy, history, d, current, min, now, false);
+    }
+    let (Some(wait), Some(consumption)) = (s.data_wait_share, s.consumption_per_second) else {
+        d.conditions.metrics_unavailable = true;
+        d.reason = format!(
+            "no data-wait or delivery series from {} trainers: keeping {} decoders",
+            fleet.trainers, d.recommended
+        );
+        return finish(policy, d);
+    };
+
+    // Demand in one step: what the trainers would consume if never starved.
+    let usable_wait = wait.clamp(0.0, MAX_USABLE_WAIT);
+    let measured_demand = consumption / (1.0 - usable_wait);
+    let starved = wait > policy.target_data_wait;
+    d.conditions.starved = starved;
+
+    // Elastic training: a new trainer count changes demand before any starvation shows; follow
+    // it from the per-trainer demand until the window holds only the new count.
+    let changed_now = history.trainers.is_some_and(|t| t != fleet.trainers);
+    if changed_now {
+        d.learned.trainer_change_at = Some(now);
+    }
+    let following = history.per_trainer_demand.is_some()
+        && d.learned
+            .trainer_change_at
+            .is_some_and(|t| elapsed(t, now) < 2.0 * policy.window.as_secs_f64());
+    let demand = match history.per_trainer_demand {
+        Some(per) if following => per * f64::from(fleet.trainers),
+        _ => measured_demand,
+    };
+    if !following {
+        let reporting = s.trainers_reporting.unwrap_or(fleet.trainers).max(1);
+        d.learned.per_trainer_demand = Some(measured_demand / f64::from(reporting));
+        d.learned.trainer_change_at = None;
+    }
+
+    let (sum_rate, sum_busy) = s
+        .decoders
+        .values()
+        .fold((0.0, 0.0), |(r, b), x| (r + x.samples_per_second, b + x.busy_share));
+    if sum_busy >= MIN_BUSY_FOR_RATE && sum_rate > 0.0 {
+        d.learned.decoder_rate = Some(sum_rate / sum_busy);
+    }
+    let busy_share = (!s.decoders.is_empty()).then(|| sum_busy / s.decoders.len() as f64);
+    d.observed.decoder_busy_percent = busy_share.map(|b| b * 100.0);
+    let rate = d.learned.decoder_rate;
+    d.observed.decoder_samples_per_second = rate;
+    let needed = rate.map(|r| ceil_count(demand * policy.headroom / r));
+    d.needed = needed;
+
+    let throttle_share = match (s.s3_throttles_per_second, s.s3_requests_per_second) {
+        (Some(t), Some(r)) if r > 0.0 => Some(t / r),
+        _ => None,
+    };
+    let throttled = throttle_share.is_some_and(|t| t > policy.max_s3_throttle_share);
+    d.conditions.s3_throttled = throttled;
+
+    let saturated = trainer_network(&mut d, policy, fleet, s, history, demand, consumption, starved);
+
+    let wait_text = if starved {
+        format!("data wait {} > {}", pct(wait), pct(policy.target_data_wait))
+    } else {
+        format!("data wait {} ≤ {}", pct(wait), pct(policy.target_data_wait))
+    };
+    let need_text = |n: u32, r: f64| {
+        format!("need {}/s at {}/s per decoder → {n}", count(demand), count(r))
+    };
+    let (raw, reason) = if let Some(node) = saturated {
+        (
+            current,
+            format!(
+                "{wait_text}; trainer node {node} NIC above {}: more decoders cannot help; local decode {}",
+                pct(policy.max_nic_utilization),
+                pct(d.local_decode_share)
+            ),
+        )
+    } else {
+        match (needed, rate) {
+            (Some(n), Some(r)) if following => (
+                n,
+                format!(
+                    "trainers {} → {}: {}",
+                    history.trainers.unwrap_or(fleet.trainers),
+                    fleet.trainers,
+                    need_text(n, r)
+                ),
+            ),
+            (Some(n), Some(r)) if n > current && !starved => (
+                current,
+                format!("{wait_text}: keeping {current} ({})", need_text(n, r)),
+            ),
+            (Some(n), Some(r)) if n > current && throttled => (
+                current,
+                format!(
+                    "{wait_text} but S3 throttles {} of requests > {}: not scaling up ({})",
+                    pct(throttle_share.unwrap_or(0.0)),
+                    pct(policy.max_s3_throttle_share),
+                    need_text(n, r)
+                ),
+            ),
+            (Some(n), Some(r)) if n < current && starved => (
+                current,
+                format!(
+                    "{wait_text} but decoders only {} busy: the decoder count is not the bottleneck ({})",
+                    pct(busy_share.unwrap_or(0.0)),
+                    need_text(n, r)
+                ),
+            ),
+            (Some(n), Some(r)) => (n, format!("{wait_text}: {}", need_text(n, r))),
+            _ if starved && !throttled => {
+                let n = current.saturating_add(policy.max_scale_up_step.max(1));
+                (n, format!("{wait_text}: no per-decoder rate measured yet → {n}"))
+            }
+            _ => (
+                current,
+                format!("{wait_text}: no per-decoder rate measured yet: keeping {current}"),
+            ),
+        }
+    };
+    d.reason = reason;
+    append_notes(&mut d.reason, &placement);
+
+    // Tolerance band: small relative changes are noise. Bounds always win over the band.
+    let in_bounds = (min..=max).contains(&current);
+    let raw = if in_bounds
+        && !following
+        && raw != current
+        && (f64::from(raw) - f64::from(current)).abs() <= policy.tolerance * f64::from(current)
+    {
+        d.reason.push_str(&format!(
+            "; within the {} band of {current}: no change",
+            pct(policy.tolerance)
+        ));
+        current
+    } else {
+        raw
+    };
+    d.learned.recommendation = Some(raw);
+    let trainers_left = following && history.trainers.is_some_and(|t| t > fleet.trainers);
+    stabilize(policy, history, d, current, raw, now, trainers_left)
+}
+
+/// Applies the stabilization windows, step limits and bounds to the raw recommendation.
+/// `skip_down_window`: the drop follows trainers that left, not a measurement that may be noise.
+fn stabilize(
+    policy: &AutoscalingPolicy,
+    history: &ScaleHistory,
+    mut d: ScaleDecision,
+    current: u32,
+    raw: u32,
+    now: Timestamp,
+    skip_down_window: bool,
+) -> ScaleDecision {
+    let min = policy.min_replicas;
+    let max = policy.max_replicas.max(min);
+    let within = |window: Duration| {
+        history
+            .recommendations
+            .iter()
+            .filter(move |(t, _)| elapsed(*t, now) < window.as_secs_f64())
+            .map(|(_, r)| *r)
+    };
+    let mut to = raw;
+    if raw < current && !skip_down_window {
+        // Like the HPA: the highest recommendation of the window, so one low reading never
+        // removes decoders.
+        let held = within(policy.scale_down_stabilization).fold(raw, u32::max).min(current);
+        if held > raw {
+            d.reason.push_str(&format!(
+                "; scale-down window {}s holds {held}",
+                policy.scale_down_stabilization.as_secs()
+            ));
+        }
+        to = held;
+    } else if raw > current && !policy.scale_up_stabilization.is_zero() {
+        let held = within(policy.scale_up_stabilization).fold(raw, u32::min).max(current);
+        if held < raw {
+            d.reason.push_str(&format!(
+                "; scale-up window {}s holds {held}",
+                policy.scale_up_stabilization.as_secs()
+            ));
+        }
+        to = held;
+    }
+    let up = current.saturating_add(policy.max_scale_up_step.max(1));
+    let down = current.saturating_sub(policy.max_scale_down_step.max(1));
+    let stepped = to.clamp(down, up);
+    if stepped != to {
+        d.reason.push_str(&format!("; step limit → {stepped}"));
+    }
+    let bounded = stepped.clamp(min, max);
+    if bounded != stepped {
+        let which = if bounded == min { "minReplicas" } else { "maxReplicas" };
+        d.reason.push_str(&format!("; {which} {bounded}"));
+    }
+    d.recommended = bounded;
+    finish(policy, d)
+}
+
+/// Sets the fleet size for the mode. Recommend mode acts on nothing.
+fn finish(policy: &AutoscalingPolicy, mut d: ScaleDecision) -> ScaleDecision {
+    let min = policy.min_replicas;
+    d.recommended = d.recommended.clamp(min, policy.max_replicas.max(min));
+    match policy.mode {
+        AutoscalingMode::Auto => d.replicas = d.recommended,
+        AutoscalingMode::Recommend => {
+            d.replicas = min;
+            d.move_pods.clear();
+            d.local_decode_share = 0.0;
+            d.reason = format!("recommend only: {}", d.reason);
+        }
+        AutoscalingMode::Off => {}
+    }
+    d
+}
+
+fn observe(d: &mut ScaleDecision, policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals) {
+    d.observed.data_wait_percent = s.data_wait_share.map(|w| w * 100.0);
+    d.observed.gpu_utilization_percent = s.gpu_utilization_percent;
+    d.observed.samples_per_second = s.consumption_per_second;
+    d.observed.s3_throttles_per_second = s.s3_throttles_per_second;
+    d.observed.max_nic_utilization_percent = s
+        .nodes
+        .keys()
+        .filter_map(|n| nic_utilization(policy, fleet, s, n))
+        .reduce(f64::max)
+        .map(|u| u * 100.0);
+}
+
+/// The node's NIC utilization, with its link speed from node-exporter, else the node's
+/// `stoker.dev/nic-gbps` annotation, else the pipeline default.
+fn nic_utilization(policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals, node: &str) -> Option<f64> {
+    let nic = s.nodes.get(node)?;
+    let link = link_of(policy, fleet, s, node)?;
+    nic.utilization(link)
+}
+
+fn link_of(policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals, node: &str) -> Option<f64> {
+    s.nodes
+        .get(node)
+        .and_then(|n| n.link_bytes_per_second)
+        .or_else(|| fleet.node_link_bytes_per_second.get(node).copied())
+        .or(policy.default_link_bytes_per_second)
+}
+
+/// Nodes to avoid and decoders to move: enough of a hot node's decoders that its NIC falls
+/// back under the limit, assuming its traffic is theirs. Returns what it did, for the reason.
+fn place(d: &mut ScaleDecision, policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals) -> Vec<String> {
+    let limit = policy.max_nic_utilization;
+    let mut on_node: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (pod, node) in &fleet.pods {
+        on_node.entry(node.as_str()).or_default().push(pod.as_str());
+    }
+    let mut moved = Vec::new();
+    let mut notes = Vec::new();
+    for node in s.nodes.keys() {
+        let Some(util) = nic_utilization(policy, fleet, s, node) else {
+            continue;
+        };
+        if util <= limit {
+            continue;
+        }
+        d.avoid_nodes.push(node.clone());
+        let Some(pods) = on_node.get(node.as_str()) else {
+            continue;
+        };
+        let n = pods.len();
+        let k = ((n as f64) * (1.0 - limit / util)).ceil().clamp(1.0, n as f64) as usize;
+        // The last by name: with generated names that is arbitrary but stable between calls.
+        moved.extend(pods.iter().rev().take(k).map(|p| p.to_string()));
+        notes.push(format!(
+            "node {node} NIC {} > {}: moving {k} of {n} decoders",
+            pct(util),
+            pct(limit)
+        ));
+    }
+    moved.sort();
+    d.move_pods = moved;
+    notes
+}
+
+fn append_notes(reason: &mut String, notes: &[String]) {
+    for note in notes {
+        reason.push_str("; ");
+        reason.push_str(note);
+    }
+}
+
+/// Trainer nodes whose NIC limits delivery, and the local-decode share that relieves them.
+/// Returns the first saturated node, if any.
+#[allow(clippy::too_many_arguments)]
+fn trainer_network(
+    d: &mut ScaleDecision,
+    policy: &AutoscalingPolicy,
+    fleet: &DecoderFleet,
+    s: &Signals,
+    history: &ScaleHistory,
+    demand: f64,
+    consumption: f64,
+    starved: bool,
+) -> Option<String> {
+    let limit = policy.max_nic_utilization;
+    let total: u32 = fleet.trainer_nodes.values().sum();
+    let previous = history.local_decode_share;
+    let mut share: f64 = 0.0;
+    let mut saturated = Vec::new();
+    for (node, trainers) in &fleet.trainer_nodes {
+        let (Some(nic), Some(link)) = (s.nodes.get(node), link_of(policy, fleet, s, node)) else {
+            continue;
+        };
+        let Some(util) = nic.utilization(link) else {
+            continue;
+        };
+        let hot = util > limit && starved;
+        if hot {
+            saturated.push(node.clone());
+        }
+        if !hot && previous <= 0.0 {
+            continue;
+        }
+        let part = f64::from(*trainers) / f64::from(total.max(1));
+        let node_demand = demand * part;
+        let capacity = limit * link;
+        let needed = match (s.decoded_bytes_per_sample, s.encoded_bytes_per_sample) {
+            (Some(out), Some(inp)) if out > inp && node_demand > 0.0 => {
+                (node_demand * out - capacity) / (node_demand * (out - inp))
+            }
+            // Without the decoders' byte counts: take the bytes per sample the NIC carries now
+            // as the network share's, and local decode as nearly free on the wire.
+            _ => {
+                let delivered = consumption * part;
+                if delivered <= 0.0 || node_demand <= 0.0 || previous >= 1.0 {
+                    continue;
+                }
+                let per_sample = nic.receive_bytes_per_second / delivered / (1.0 - previous);
+                1.0 - capacity / (node_demand * per_sample)
+            }
+        };
+        share = share.max(needed);
+    }
+    let mut share = share.clamp(0.0, policy.max_local_decode_share);
+    if share < previous && previous - share < LOCAL_SHARE_BAND {
+        share = previous;
+    }
+    d.local_decode_share = share;
+    d.conditions.network_saturated = saturated.clone();
+    saturated.into_iter().next()
+}
+
+fn elapsed(since: Timestamp, now: Timestamp) -> f64 {
+    now.duration_since(since).as_secs_f64()
+}
+
+fn ceil_count(x: f64) -> u32 {
+    if x.is_finite() && x > 0.0 {
+        x.ceil().min(f64::from(u32::MAX)) as u32
+    } else {
+        0
+    }
+}
+
+/// A share as a percentage: one decimal below 10%, none above.
+pub fn pct(share: f64) -> String {
+    let p = share * 100.0;
+    if p.abs() < 10.0 && (p - p.round()).abs() > 0.05 {
+        format!("{p:.1}%")
+    } else {
+        format!("{p:.0}%")
+    }
+}
+
+/// A rate with thousands separators: 2400.4 → "2,400".
+pub fn count(x: f64) -> String {
+    if x.is_finite() && x.abs() < 10.0 && (x - x.round()).abs() > 0.05 {
+        return format!("{x:.1}");
+    }
+    let n = x.round() as i64;
+    let digits = n.unsigned_abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 { format!("-{out}") } else { out }
+}
