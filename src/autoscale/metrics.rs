@@ -63,8 +63,16 @@ impl AutoscalerMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
         let r = registry.sub_registry_with_prefix("autoscaler");
-        r.register("current_decoders", "Decoders the fleet ran when the autoscaler decided", m.current.clone());
-        r.register("desired_decoders", "Decoders the autoscaler asks the fleet to run", m.desired.clone());
+        r.register(
+            "current_decoders",
+            "Decoders the fleet ran when the autoscaler decided",
+            m.current.clone(),
+        );
+        r.register(
+            "desired_decoders",
+            "Decoders the autoscaler asks the fleet to run",
+            m.desired.clone(),
+        );
         r.register(
             "recommended_decoders",
             "Decoders the policy recommends (differs from desired in recommend mode)",
@@ -95,7 +103,11 @@ impl AutoscalerMetrics {
             "Measured rate of one fully busy decoder",
             m.decoder_rate.clone(),
         );
-        r.register("decoder_busy_percent", "Mean busy share of the decoders", m.decoder_busy.clone());
+        r.register(
+            "decoder_busy_percent",
+            "Mean busy share of the decoders",
+            m.decoder_busy.clone(),
+        );
         r.register(
             "max_nic_utilization_percent",
             "Highest NIC utilization among the pipeline's nodes",
@@ -116,7 +128,11 @@ impl AutoscalerMetrics {
             "1 when the autoscaler's condition holds for the pipeline",
             m.conditions.clone(),
         );
-        r.register("decisions", "Decisions by direction (up, down, hold)", m.decisions.clone());
+        r.register(
+            "decisions",
+            "Decisions by direction (up, down, hold)",
+            m.decisions.clone(),
+        );
         r.register(
             "signal_errors",
             "Failed reads of Prometheus by error category",
@@ -134,7 +150,9 @@ impl AutoscalerMetrics {
         };
         self.current.get_or_create(&l).set(i64::from(d.from));
         self.desired.get_or_create(&l).set(i64::from(d.replicas));
-        self.recommended.get_or_create(&l).set(i64::from(d.recommended));
+        self.recommended
+            .get_or_create(&l)
+            .set(i64::from(d.recommended));
         set_or_remove(&self.needed, &l, d.needed.map(i64::from));
         let o = &d.observed;
         set_ratio(&self.data_wait, &l, o.data_wait_percent);
@@ -144,7 +162,9 @@ impl AutoscalerMetrics {
         set_ratio(&self.decoder_busy, &l, o.decoder_busy_percent);
         set_ratio(&self.max_nic_utilization, &l, o.max_nic_utilization_percent);
         set_ratio(&self.s3_throttles, &l, o.s3_throttles_per_second);
-        self.local_decode_share.get_or_create(&l).set(d.local_decode_share);
+        self.local_decode_share
+            .get_or_create(&l)
+            .set(d.local_decode_share);
         let c = &d.conditions;
         for (condition, holds) in [
             ("Starved", c.starved),
@@ -174,7 +194,9 @@ impl AutoscalerMetrics {
     }
 
     pub fn signal_error(&self, category: &'static str) {
-        self.signal_errors.get_or_create(&CategoryLabels { category }).inc();
+        self.signal_errors
+            .get_or_create(&CategoryLabels { category })
+            .inc();
     }
 
     /// Removes a deleted pipeline's series.
@@ -183,7 +205,12 @@ impl AutoscalerMetrics {
             namespace: namespace.to_string(),
             pipeline: pipeline.to_string(),
         };
-        for f in [&self.current, &self.desired, &self.recommended, &self.needed] {
+        for f in [
+            &self.current,
+            &self.desired,
+            &self.recommended,
+            &self.needed,
+        ] {
             f.remove(&l);
         }
         for f in [
@@ -198,7 +225,12 @@ impl AutoscalerMetrics {
         ] {
             f.remove(&l);
         }
-        for condition in ["Starved", "NetworkSaturated", "S3Throttled", "MetricsUnavailable"] {
+        for condition in [
+            "Starved",
+            "NetworkSaturated",
+            "S3Throttled",
+            "MetricsUnavailable",
+        ] {
             self.conditions.remove(&ConditionLabels {
                 namespace: namespace.to_string(),
                 pipeline: pipeline.to_string(),
@@ -268,10 +300,20 @@ mod tests {
         m.record("training", "qwen", &d);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
-        assert!(text.contains(r#"stoker_autoscaler_data_wait_percent{namespace="training",pipeline="qwen"} 22"#), "{text}");
-        assert!(text.contains(r#"stoker_autoscaler_current_decoders{namespace="training",pipeline="qwen"} 2"#));
+        assert!(
+            text.contains(
+                r#"stoker_autoscaler_data_wait_percent{namespace="training",pipeline="qwen"} 22"#
+            ),
+            "{text}"
+        );
+        assert!(text.contains(
+            r#"stoker_autoscaler_current_decoders{namespace="training",pipeline="qwen"} 2"#
+        ));
         assert!(text.contains(r#"stoker_autoscaler_condition{namespace="training",pipeline="qwen",condition="Starved"} 1"#));
-        assert!(!text.contains("stoker_autoscaler_gpu_utilization_percent{"), "absent GPU metric is not exported");
+        assert!(
+            !text.contains("stoker_autoscaler_gpu_utilization_percent{"),
+            "absent GPU metric is not exported"
+        );
         m.forget("training", "qwen");
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");

@@ -24,7 +24,9 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::api::v1alpha1::{DataPipelineSpec, ObservedSignals};
 
-pub use policy::{AutoscalingPolicy, DecoderFleet, ScaleConditions, ScaleDecision, ScaleHistory, decide};
+pub use policy::{
+    AutoscalingPolicy, DecoderFleet, ScaleConditions, ScaleDecision, ScaleHistory, decide,
+};
 pub use signals::{DecoderSignal, NodeNetwork, Signals};
 
 impl AutoscalingPolicy {
@@ -107,12 +109,18 @@ impl ScaleDecision {
             message,
         };
         if c.metrics_unavailable {
-            let unknown = |type_| report(type_, "Unknown", "MetricsUnavailable", self.reason.clone());
+            let unknown =
+                |type_| report(type_, "Unknown", "MetricsUnavailable", self.reason.clone());
             return vec![
                 unknown("Starved"),
                 unknown("NetworkSaturated"),
                 unknown("S3Throttled"),
-                report("MetricsUnavailable", "True", "SignalsMissing", self.reason.clone()),
+                report(
+                    "MetricsUnavailable",
+                    "True",
+                    "SignalsMissing",
+                    self.reason.clone(),
+                ),
             ];
         }
         let wait = self
@@ -121,12 +129,27 @@ impl ScaleDecision {
             .map_or_else(|| "unknown".to_string(), |w| format!("{w:.1}%"));
         vec![
             if c.starved {
-                report("Starved", "True", "DataWaitAboveTarget", self.reason.clone())
+                report(
+                    "Starved",
+                    "True",
+                    "DataWaitAboveTarget",
+                    self.reason.clone(),
+                )
             } else {
-                report("Starved", "False", "DataWaitWithinTarget", format!("data wait {wait}"))
+                report(
+                    "Starved",
+                    "False",
+                    "DataWaitWithinTarget",
+                    format!("data wait {wait}"),
+                )
             },
             if c.network_saturated.is_empty() {
-                report("NetworkSaturated", "False", "NicWithinLimit", "no trainer node's NIC limits delivery".into())
+                report(
+                    "NetworkSaturated",
+                    "False",
+                    "NicWithinLimit",
+                    "no trainer node's NIC limits delivery".into(),
+                )
             } else {
                 report(
                     "NetworkSaturated",
@@ -142,9 +165,19 @@ impl ScaleDecision {
             if c.s3_throttled {
                 report("S3Throttled", "True", "SlowDown", self.reason.clone())
             } else {
-                report("S3Throttled", "False", "NotThrottled", "S3 throttles within the limit".into())
+                report(
+                    "S3Throttled",
+                    "False",
+                    "NotThrottled",
+                    "S3 throttles within the limit".into(),
+                )
             },
-            report("MetricsUnavailable", "False", "SignalsRead", "signals read from Prometheus".into()),
+            report(
+                "MetricsUnavailable",
+                "False",
+                "SignalsRead",
+                "signals read from Prometheus".into(),
+            ),
         ]
     }
 

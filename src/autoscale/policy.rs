@@ -97,8 +97,15 @@ pub struct ScaleHistory {
 
 impl ScaleHistory {
     /// Records a decision made at `now` so that the next one can be stabilized against it.
-    pub fn remember(&mut self, decision: &ScaleDecision, policy: &AutoscalingPolicy, now: Timestamp) {
-        let keep = policy.scale_up_stabilization.max(policy.scale_down_stabilization);
+    pub fn remember(
+        &mut self,
+        decision: &ScaleDecision,
+        policy: &AutoscalingPolicy,
+        now: Timestamp,
+    ) {
+        let keep = policy
+            .scale_up_stabilization
+            .max(policy.scale_down_stabilization);
         if let Some(raw) = decision.learned.recommendation {
             self.recommendations.push_back((now, raw));
         }
@@ -296,10 +303,9 @@ pub fn decide(
         d.learned.trainer_change_at = None;
     }
 
-    let (sum_rate, sum_busy) = s
-        .decoders
-        .values()
-        .fold((0.0, 0.0), |(r, b), x| (r + x.samples_per_second, b + x.busy_share));
+    let (sum_rate, sum_busy) = s.decoders.values().fold((0.0, 0.0), |(r, b), x| {
+        (r + x.samples_per_second, b + x.busy_share)
+    });
     if sum_busy >= MIN_BUSY_FOR_RATE && sum_rate > 0.0 {
         d.learned.decoder_rate = Some(sum_rate / sum_busy);
     }
@@ -317,7 +323,16 @@ pub fn decide(
     let throttled = throttle_share.is_some_and(|t| t > policy.max_s3_throttle_share);
     d.conditions.s3_throttled = throttled;
 
-    let saturated = trainer_network(&mut d, policy, fleet, s, history, demand, consumption, starved);
+    let saturated = trainer_network(
+        &mut d,
+        policy,
+        fleet,
+        s,
+        history,
+        demand,
+        consumption,
+        starved,
+    );
 
     let wait_text = if starved {
         format!("data wait {} > {}", pct(wait), pct(policy.target_data_wait))
@@ -325,7 +340,11 @@ pub fn decide(
         format!("data wait {} ≤ {}", pct(wait), pct(policy.target_data_wait))
     };
     let need_text = |n: u32, r: f64| {
-        format!("need {}/s at {}/s per decoder → {n}", count(demand), count(r))
+        format!(
+            "need {}/s at {}/s per decoder → {n}",
+            count(demand),
+            count(r)
+        )
     };
     let (raw, reason) = if let Some(node) = saturated {
         (
@@ -371,7 +390,10 @@ pub fn decide(
             (Some(n), Some(r)) => (n, format!("{wait_text}: {}", need_text(n, r))),
             _ if starved && !throttled => {
                 let n = current.saturating_add(policy.max_scale_up_step.max(1));
-                (n, format!("{wait_text}: no per-decoder rate measured yet → {n}"))
+                (
+                    n,
+                    format!("{wait_text}: no per-decoder rate measured yet → {n}"),
+                )
             }
             _ => (
                 current,
@@ -426,7 +448,9 @@ fn stabilize(
     if raw < current && !skip_down_window {
         // Like the HPA: the highest recommendation of the window, so one low reading never
         // removes decoders.
-        let held = within(policy.scale_down_stabilization).fold(raw, u32::max).min(current);
+        let held = within(policy.scale_down_stabilization)
+            .fold(raw, u32::max)
+            .min(current);
         if held > raw {
             d.reason.push_str(&format!(
                 "; scale-down window {}s holds {held}",
@@ -435,7 +459,9 @@ fn stabilize(
         }
         to = held;
     } else if raw > current && !policy.scale_up_stabilization.is_zero() {
-        let held = within(policy.scale_up_stabilization).fold(raw, u32::min).max(current);
+        let held = within(policy.scale_up_stabilization)
+            .fold(raw, u32::min)
+            .max(current);
         if held < raw {
             d.reason.push_str(&format!(
                 "; scale-up window {}s holds {held}",
@@ -452,7 +478,11 @@ fn stabilize(
     }
     let bounded = stepped.clamp(min, max);
     if bounded != stepped {
-        let which = if bounded == min { "minReplicas" } else { "maxReplicas" };
+        let which = if bounded == min {
+            "minReplicas"
+        } else {
+            "maxReplicas"
+        };
         d.reason.push_str(&format!("; {which} {bounded}"));
     }
     d.recommended = bounded;
@@ -491,13 +521,23 @@ fn observe(d: &mut ScaleDecision, policy: &AutoscalingPolicy, fleet: &DecoderFle
 
 /// The node's NIC utilization, with its link speed from node-exporter, else the node's
 /// `stoker.dev/nic-gbps` annotation, else the pipeline default.
-fn nic_utilization(policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals, node: &str) -> Option<f64> {
+fn nic_utilization(
+    policy: &AutoscalingPolicy,
+    fleet: &DecoderFleet,
+    s: &Signals,
+    node: &str,
+) -> Option<f64> {
     let nic = s.nodes.get(node)?;
     let link = link_of(policy, fleet, s, node)?;
     nic.utilization(link)
 }
 
-fn link_of(policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals, node: &str) -> Option<f64> {
+fn link_of(
+    policy: &AutoscalingPolicy,
+    fleet: &DecoderFleet,
+    s: &Signals,
+    node: &str,
+) -> Option<f64> {
     s.nodes
         .get(node)
         .and_then(|n| n.link_bytes_per_second)
@@ -507,7 +547,12 @@ fn link_of(policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals, node: 
 
 /// Nodes to avoid and decoders to move: enough of a hot node's decoders that its NIC falls
 /// back under the limit, assuming its traffic is theirs. Returns what it did, for the reason.
-fn place(d: &mut ScaleDecision, policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals) -> Vec<String> {
+fn place(
+    d: &mut ScaleDecision,
+    policy: &AutoscalingPolicy,
+    fleet: &DecoderFleet,
+    s: &Signals,
+) -> Vec<String> {
     let limit = policy.max_nic_utilization;
     let mut on_node: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for (pod, node) in &fleet.pods {
@@ -527,7 +572,9 @@ fn place(d: &mut ScaleDecision, policy: &AutoscalingPolicy, fleet: &DecoderFleet
             continue;
         };
         let n = pods.len();
-        let k = ((n as f64) * (1.0 - limit / util)).ceil().clamp(1.0, n as f64) as usize;
+        let k = ((n as f64) * (1.0 - limit / util))
+            .ceil()
+            .clamp(1.0, n as f64) as usize;
         // The last by name: with generated names that is arbitrary but stable between calls.
         moved.extend(pods.iter().rev().take(k).map(|p| p.to_string()));
         notes.push(format!(

@@ -123,7 +123,10 @@ pub enum SignalError {
         source: prometheus_http_query::Error,
     },
     #[error("query {query} returned a {kind}, not an instant vector")]
-    UnexpectedResult { query: &'static str, kind: &'static str },
+    UnexpectedResult {
+        query: &'static str,
+        kind: &'static str,
+    },
 }
 
 impl SignalError {
@@ -139,15 +142,27 @@ impl SignalError {
 }
 
 /// A Prometheus server and the queries to send it.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct PrometheusSignals {
     client: Client,
     templates: QueryTemplates,
 }
 
+impl std::fmt::Debug for PrometheusSignals {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrometheusSignals")
+            .field("url", &self.client.base_url().as_str())
+            .finish_non_exhaustive()
+    }
+}
+
 impl PrometheusSignals {
     /// `timeout` bounds each query, so that a hung Prometheus cannot stall reconciles.
-    pub fn new(url: &str, templates: QueryTemplates, timeout: Duration) -> Result<Self, SignalError> {
+    pub fn new(
+        url: &str,
+        templates: QueryTemplates,
+        timeout: Duration,
+    ) -> Result<Self, SignalError> {
         // reqwest is built without its own crypto provider; the operator uses ring. Installing
         // fails harmlessly when a provider is already in place.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -171,7 +186,18 @@ impl PrometheusSignals {
     pub async fn read(&self, scope: &SignalScope) -> Result<Signals, SignalError> {
         let t = &self.templates;
         let q = |name: &'static str, template: &str| self.vector(name, render(template, scope));
-        let (data_wait, consumption, trainers, gpu, samples, busy, out_bytes, in_bytes, throttles, requests) = futures::try_join!(
+        let (
+            data_wait,
+            consumption,
+            trainers,
+            gpu,
+            samples,
+            busy,
+            out_bytes,
+            in_bytes,
+            throttles,
+            requests,
+        ) = futures::try_join!(
             q("data_wait", &t.data_wait),
             q("consumption", &t.consumption),
             q("trainers_reporting", &t.trainers_reporting),
@@ -226,11 +252,22 @@ impl PrometheusSignals {
         })
     }
 
-    async fn vector(&self, query: &'static str, promql: String) -> Result<Vec<Series>, SignalError> {
-        let result = self.client.query(promql).get().await.map_err(|source| match source {
-            prometheus_http_query::Error::Prometheus(_) => SignalError::Rejected { query, source },
-            _ => SignalError::Unreachable { query, source },
-        })?;
+    async fn vector(
+        &self,
+        query: &'static str,
+        promql: String,
+    ) -> Result<Vec<Series>, SignalError> {
+        let result = self
+            .client
+            .query(promql)
+            .get()
+            .await
+            .map_err(|source| match source {
+                prometheus_http_query::Error::Prometheus(_) => {
+                    SignalError::Rejected { query, source }
+                }
+                _ => SignalError::Unreachable { query, source },
+            })?;
         match result.into_inner().0 {
             Data::Vector(v) => Ok(v
                 .into_iter()
@@ -240,7 +277,10 @@ impl PrometheusSignals {
                 })
                 .collect()),
             Data::Scalar(s) => Ok(vec![(HashMap::new(), s.value())]),
-            Data::Matrix(_) => Err(SignalError::UnexpectedResult { query, kind: "range vector" }),
+            Data::Matrix(_) => Err(SignalError::UnexpectedResult {
+                query,
+                kind: "range vector",
+            }),
         }
     }
 }

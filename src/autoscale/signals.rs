@@ -49,7 +49,9 @@ impl NodeNetwork {
     /// Utilization (0..) of the busier direction: links are full duplex.
     pub fn utilization(&self, link_bytes_per_second: f64) -> Option<f64> {
         (link_bytes_per_second > 0.0).then(|| {
-            self.receive_bytes_per_second.max(self.transmit_bytes_per_second) / link_bytes_per_second
+            self.receive_bytes_per_second
+                .max(self.transmit_bytes_per_second)
+                / link_bytes_per_second
         })
     }
 }
