@@ -7,9 +7,11 @@
 
 pub mod batch;
 pub mod decode;
+pub mod gpu;
 pub mod metrics;
 pub mod profile;
 pub mod proto;
+pub mod sidecar;
 pub mod source;
 pub mod transform;
 pub mod worker;

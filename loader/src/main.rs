@@ -28,6 +28,18 @@ enum Command {
     Profile(ProfileArgs),
     /// Send a dataset through decode workers as batches and report images/s.
     Bench(bench::BenchArgs),
+    /// Next to the trainer: epoch order, prefetch across decode workers, shared-memory hand-off.
+    Sidecar(SidecarCmd),
+}
+
+#[derive(Args, Debug)]
+struct SidecarCmd {
+    #[command(flatten)]
+    sidecar: stoker_loader::sidecar::SidecarArgs,
+    #[command(flatten)]
+    transform: TransformArgs,
+    #[command(flatten)]
+    s3: S3Args,
 }
 
 /// Where objects live. Credentials come from the standard AWS chain (environment variables,
@@ -183,6 +195,7 @@ fn main() -> anyhow::Result<()> {
             Command::Decode(args) => decode(args).await,
             Command::Profile(args) => profile(args).await,
             Command::Bench(args) => bench::run(args).await,
+            Command::Sidecar(args) => sidecar(args).await,
         }
     })
 }
@@ -227,6 +240,12 @@ async fn shutdown_signal() {
         () = term => tracing::info!("SIGTERM"),
         _ = tokio::signal::ctrl_c() => tracing::info!("interrupt"),
     }
+}
+
+async fn sidecar(args: SidecarCmd) -> anyhow::Result<()> {
+    let transform = args.transform.transform()?;
+    stoker_loader::sidecar::run(args.sidecar, args.s3.config(), transform, shutdown_signal()).await?;
+    Ok(())
 }
 
 async fn profile(args: ProfileArgs) -> anyhow::Result<()> {

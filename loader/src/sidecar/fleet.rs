@@ -1,0 +1,199 @@
+//! `DecoderFleet`: the decode workers this sidecar knows, with their outstanding requests and
+//! health. Batches go to the healthy worker with the fewest outstanding requests; a worker
+//! that fails `max_failures` times in a row is set aside for `set_aside_for`, then tried again.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::OnceCell;
+
+use crate::worker::DecodeClient;
+
+#[derive(Debug, Clone, Copy)]
+pub struct FleetPolicy {
+    pub max_failures: u32,
+    pub set_aside_for: Duration,
+}
+
+impl Default for FleetPolicy {
+    fn default() -> Self {
+        Self {
+            max_failures: 3,
+            set_aside_for: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Health {
+    consecutive_failures: u32,
+    set_aside_until: Option<Instant>,
+}
+
+pub struct DecodeWorkerHandle {
+    pub endpoint: String,
+    client: OnceCell<DecodeClient>,
+    outstanding: AtomicUsize,
+    health: Mutex<Health>,
+}
+
+impl DecodeWorkerHandle {
+    fn new(endpoint: String) -> Self {
+        Self {
+            endpoint,
+            client: OnceCell::new(),
+            outstanding: AtomicUsize::new(0),
+            health: Mutex::new(Health::default()),
+        }
+    }
+
+    /// The connected client (connecting on first use; tonic reconnects it later by itself).
+    pub async fn client(&self) -> Result<DecodeClient, tonic::transport::Error> {
+        self.client
+            .get_or_try_init(|| DecodeClient::connect(self.endpoint.clone()))
+            .await
+            .cloned()
+    }
+
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.load(Ordering::SeqCst)
+    }
+
+    fn health(&self) -> std::sync::MutexGuard<'_, Health> {
+        self.health.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn available(&self, now: Instant) -> bool {
+        self.health().set_aside_until.is_none_or(|t| t <= now)
+    }
+}
+
+/// Counts a request as outstanding on its worker until dropped.
+pub struct Outstanding(Arc<DecodeWorkerHandle>);
+
+impl Outstanding {
+    pub fn worker(&self) -> &Arc<DecodeWorkerHandle> {
+        &self.0
+    }
+}
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        self.0.outstanding.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[derive(Default)]
+pub struct DecoderFleet {
+    workers: Mutex<HashMap<String, Arc<DecodeWorkerHandle>>>,
+    policy: FleetPolicy,
+}
+
+/// Counts for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FleetCounts {
+    pub available: usize,
+    pub set_aside: usize,
+}
+
+impl DecoderFleet {
+    pub fn new(policy: FleetPolicy) -> Self {
+        Self {
+            workers: Mutex::default(),
+            policy,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<DecodeWorkerHandle>>> {
+        self.workers.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Replaces the set of workers with what discovery found; known workers keep their
+    /// connection and health, requests in flight to removed ones finish on their own.
+    pub fn update(&self, endpoints: &[String]) -> (usize, usize) {
+        let mut workers = self.lock();
+        let wanted: HashSet<&String> = endpoints.iter().collect();
+        let before = workers.len();
+        workers.retain(|e, _| wanted.contains(e));
+        let removed = before - workers.len();
+        let mut added = 0;
+        for e in endpoints {
+            workers.entry(e.clone()).or_insert_with(|| {
+                added += 1;
+                Arc::new(DecodeWorkerHandle::new(e.clone()))
+            });
+        }
+        (added, removed)
+    }
+
+    /// The available worker with the fewest outstanding requests, skipping `tried`.
+    pub fn pick(&self, tried: &HashSet<String>) -> Option<Outstanding> {
+        let now = Instant::now();
+        let workers = self.lock();
+        let best = workers
+            .values()
+            .filter(|w| !tried.contains(&w.endpoint) && w.available(now))
+            .min_by_key(|w| (w.outstanding(), w.endpoint.clone()))?
+            .clone();
+        best.outstanding.fetch_add(1, Ordering::SeqCst);
+        Some(Outstanding(best))
+    }
+
+    pub fn counts(&self) -> FleetCounts {
+        let now = Instant::now();
+        let workers = self.lock();
+        let available = workers.values().filter(|w| w.available(now)).count();
+        FleetCounts {
+            available,
+            set_aside: workers.len() - available,
+        }
+    }
+
+    pub fn succeeded(&self, w: &DecodeWorkerHandle) {
+        *w.health() = Health::default();
+    }
+
+    /// Records a failure; returns true when the worker is now set aside.
+    pub fn failed(&self, w: &DecodeWorkerHandle) -> bool {
+        let mut h = w.health();
+        h.consecutive_failures += 1;
+        if h.consecutive_failures >= self.policy.max_failures {
+            h.consecutive_failures = 0;
+            h.set_aside_until = Some(Instant::now() + self.policy.set_aside_for);
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn least_outstanding_first_and_failing_workers_are_set_aside() {
+        let fleet = DecoderFleet::new(FleetPolicy {
+            max_failures: 2,
+            set_aside_for: Duration::from_secs(60),
+        });
+        fleet.update(&["http://a".into(), "http://b".into()]);
+        let none = HashSet::new();
+        let first = fleet.pick(&none).unwrap();
+        let second = fleet.pick(&none).unwrap();
+        assert_ne!(first.worker().endpoint, second.worker().endpoint, "spread by outstanding");
+        let a = first.worker().clone();
+        drop(first);
+        assert_eq!(fleet.pick(&none).unwrap().worker().endpoint, a.endpoint);
+        assert!(!fleet.failed(&a));
+        assert!(fleet.failed(&a), "second failure in a row sets it aside");
+        assert_eq!(fleet.counts(), FleetCounts { available: 1, set_aside: 1 });
+        for _ in 0..3 {
+            assert_ne!(fleet.pick(&none).unwrap().worker().endpoint, a.endpoint);
+        }
+        let tried: HashSet<String> = [second.worker().endpoint.clone()].into_iter().collect();
+        assert!(fleet.pick(&tried).is_none(), "nothing left once the only healthy one was tried");
+        assert_eq!(fleet.update(&["http://c".into()]), (1, 2));
+    }
+}

@@ -1,0 +1,74 @@
+//! The sidecar's HTTP port: `/metrics`, `/healthz`, `/readyz` (passes only once the trainer's
+//! unix socket is listening: the injected startup probe) and `/local-share` (GET, or PUT a
+//! number in 0..=1: the share of batches decoded in the sidecar, set by the autoscaler when the
+//! node's NIC is the bottleneck).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+
+use super::pipeline::Pipeline;
+
+#[derive(Clone)]
+pub struct HttpState {
+    pub pipeline: Arc<Pipeline>,
+    pub socket_listening: Arc<AtomicBool>,
+}
+
+pub fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .route("/local-share", get(get_share).put(put_share))
+        .with_state(state)
+}
+
+async fn metrics(State(s): State<HttpState>) -> impl axum::response::IntoResponse {
+    let fleet = s.pipeline.fleet.counts();
+    let workers = &s.pipeline.metrics.workers;
+    use super::metrics::StateLabel;
+    workers
+        .get_or_create(&StateLabel { state: "available" })
+        .set(fleet.available as i64);
+    workers
+        .get_or_create(&StateLabel { state: "set_aside" })
+        .set(fleet.set_aside as i64);
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.pipeline.metrics.encode(),
+    )
+}
+
+async fn ready(State(s): State<HttpState>) -> (StatusCode, &'static str) {
+    if s.socket_listening.load(Ordering::SeqCst) {
+        (StatusCode::OK, "ready")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "socket not listening")
+    }
+}
+
+async fn get_share(State(s): State<HttpState>) -> String {
+    format!("{}\n", s.pipeline.local_share())
+}
+
+async fn put_share(State(s): State<HttpState>, body: String) -> (StatusCode, String) {
+    match body.trim().parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => {
+            s.pipeline.set_local_share(v);
+            tracing::info!(share = v, "local decode share changed");
+            (StatusCode::OK, format!("{v}\n"))
+        }
+        _ => (
+            StatusCode::BAD_REQUEST,
+            format!("expected a number in 0..=1, got {:?}\n", body.trim()),
+        ),
+    }
+}

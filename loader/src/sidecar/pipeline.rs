@@ -1,0 +1,412 @@
+//! The sidecar's pipeline: walk the epoch plan, take a free ring slot per batch (the
+//! backpressure), decode the batch on a worker (or locally), write it into the slot, and
+//! publish it under its sequence number; the hand-off delivers sequence numbers in order
+//! (the reorder buffer), so every sample of the epoch reaches the trainer once, in plan order.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::join_all;
+use tokio::sync::Notify;
+
+use super::fleet::DecoderFleet;
+use super::metrics::{ReasonLabel, RouteLabel, SidecarMetrics};
+use super::plan::PlanConfig;
+use super::protocol::{BatchHeader, SampleHeader, monotonic_ns};
+use super::ring::{ShmRing, SlotLease};
+use crate::batch::{EncodedSample, SampleMeta, decode_batch};
+use crate::decode::{DecodeLimits, SkipReason};
+use crate::proto;
+use crate::source::{S3Source, SampleRef};
+use crate::transform::Transform;
+use crate::worker::{batch_from_reply, transform_to_proto};
+
+/// What the trainer gets next, in sequence order.
+#[derive(Debug, Clone)]
+pub enum Item {
+    Batch(BatchHeader),
+    EndOfEpoch(u64),
+    Done,
+}
+
+#[derive(Default)]
+struct DeliveryState {
+    ready: BTreeMap<u64, Item>,
+    next_seq: u64,
+}
+
+/// The reorder buffer: items arrive in any order and leave in sequence order.
+#[derive(Default)]
+pub struct Delivery {
+    state: Mutex<DeliveryState>,
+    notify: Notify,
+}
+
+impl Delivery {
+    fn lock(&self) -> std::sync::MutexGuard<'_, DeliveryState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub fn publish(&self, seq: u64, item: Item) {
+        self.lock().ready.insert(seq, item);
+        self.notify.notify_waiters();
+    }
+
+    /// Batches decoded and not yet delivered.
+    pub fn ready_batches(&self) -> usize {
+        let s = self.lock();
+        s.ready
+            .range(s.next_seq..)
+            .filter(|(_, i)| matches!(i, Item::Batch(_)))
+            .count()
+    }
+
+    /// Takes the next item in order, waiting up to `wait`.
+    pub async fn next(&self, wait: Duration) -> Option<Item> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut s = self.lock();
+                let seq = s.next_seq;
+                if let Some(item) = s.ready.remove(&seq) {
+                    // `Done` stays: every later request gets it too.
+                    if matches!(item, Item::Done) {
+                        s.ready.insert(seq, Item::Done);
+                    } else {
+                        s.next_seq += 1;
+                    }
+                    return Some(item);
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return None;
+            }
+        }
+    }
+}
+
+/// Everything the pipeline needs, shared by its tasks, the hand-off and the HTTP endpoints.
+pub struct Pipeline {
+    pub bucket: String,
+    pub samples: Vec<SampleRef>,
+    pub plan: PlanConfig,
+    pub start_epoch: u64,
+    pub start_batch: u64,
+    /// 0 = no limit.
+    pub epochs: u64,
+    pub transform: Transform,
+    pub limits: DecodeLimits,
+    pub batch_timeout: Duration,
+    /// Decode locally when no worker is available (and always when none is configured).
+    pub local_fallback: bool,
+    /// f64 bits of the share of batches decoded locally (0..=1), changeable at runtime.
+    pub local_share: AtomicU64,
+    pub local_pool: Arc<rayon::ThreadPool>,
+    pub source: S3Source,
+    pub fleet: Arc<DecoderFleet>,
+    pub ring: Arc<ShmRing>,
+    pub delivery: Delivery,
+    pub metrics: Arc<SidecarMetrics>,
+}
+
+/// A decoded batch before it is written into its slot.
+struct Decoded {
+    pixels: Bytes,
+    samples: Vec<SampleMeta>,
+    route: &'static str,
+}
+
+impl Pipeline {
+    pub fn batches_per_epoch(&self) -> u64 {
+        self.plan.batches_per_epoch(self.samples.len()) as u64
+    }
+
+    pub fn local_share(&self) -> f64 {
+        f64::from_bits(self.local_share.load(Ordering::SeqCst))
+    }
+
+    pub fn set_local_share(&self, share: f64) {
+        let share = share.clamp(0.0, 1.0);
+        self.local_share.store(share.to_bits(), Ordering::SeqCst);
+        self.metrics.local_share.set(share);
+    }
+
+    /// Walks the epochs from the start point; returns after the last epoch (never, by default).
+    pub async fn run(self: Arc<Self>) {
+        let mut seq = 0u64;
+        let mut epoch = self.start_epoch;
+        let mut first = self.start_batch as usize;
+        let bpe = self.batches_per_epoch();
+        loop {
+            if self.epochs > 0 && epoch >= self.epochs {
+                self.delivery.publish(seq, Item::Done);
+                return;
+            }
+            self.metrics.epoch.set(epoch as i64);
+            let plan = self.plan.epoch(self.samples.len(), epoch);
+            for (index, batch) in plan.batches.iter().enumerate().skip(first) {
+                // Waiting here is what keeps memory flat when the trainer stops consuming.
+                let lease = self.ring.acquire().await;
+                let refs: Vec<SampleRef> = batch.iter().map(|&i| self.samples[i].clone()).collect();
+                let id = epoch * bpe + index as u64;
+                self.metrics.inflight_batches.inc();
+                tokio::spawn(self.clone().fill(seq, epoch, index as u64, id, refs, lease));
+                seq += 1;
+            }
+            self.delivery.publish(seq, Item::EndOfEpoch(epoch));
+            seq += 1;
+            first = 0;
+            epoch += 1;
+        }
+    }
+
+    async fn fill(self: Arc<Self>, seq: u64, epoch: u64, index: u64, batch_id: u64, refs: Vec<SampleRef>, mut lease: SlotLease) {
+        let decoded = self.decode(seq, batch_id, &refs).await;
+        let slot_bytes = self.ring.slot_bytes();
+        let slot = lease.bytes_mut();
+        let mut samples = Vec::with_capacity(decoded.samples.len());
+        let mut used = 0u64;
+        for m in decoded.samples {
+            let mut skip = m.skip.map(|r| r.as_str().to_string());
+            let (start, len) = (m.offset as usize, m.byte_len());
+            let mut shape = [m.height, m.width, 3];
+            if skip.is_none() {
+                if start + len > slot_bytes || start + len > decoded.pixels.len() {
+                    // Only with variable output sizes (qwenSmart) and a too small --slot-bytes.
+                    tracing::warn!(key = %m.key, slot_bytes, "sample does not fit in the slot; skipping");
+                    skip = Some(SkipReason::TooLarge.as_str().to_string());
+                    shape = [0, 0, 3];
+                } else {
+                    // The one copy: from the received (or locally decoded) buffer into shared memory.
+                    slot[start..start + len].copy_from_slice(&decoded.pixels[start..start + len]);
+                    used = used.max((start + len) as u64);
+                }
+            } else {
+                shape = [0, 0, 3];
+            }
+            samples.push(SampleHeader {
+                key: m.key,
+                metadata: m.metadata,
+                shape,
+                offset: m.offset,
+                skip,
+            });
+        }
+        let slot_index = lease.index();
+        let header = BatchHeader {
+            slot: slot_index,
+            slot_offset: u64::from(slot_index) * slot_bytes as u64,
+            nbytes: used,
+            epoch,
+            index,
+            batch_id,
+            dtype: "uint8".into(),
+            samples,
+            ready_ns: monotonic_ns(),
+            route: decoded.route.into(),
+        };
+        lease.publish();
+        self.metrics.inflight_batches.dec();
+        self.delivery.publish(seq, Item::Batch(header));
+        self.metrics.ready_batches.set(self.delivery.ready_batches() as i64);
+    }
+
+    /// Whether batch `seq` goes to the local decoder under the current share: spreads the
+    /// local batches evenly (share 0.25 = every fourth batch).
+    fn routed_locally(&self, seq: u64) -> bool {
+        let share = self.local_share();
+        if share <= 0.0 {
+            return false;
+        }
+        if share >= 1.0 {
+            return true;
+        }
+        ((seq + 1) as f64 * share).floor() > (seq as f64 * share).floor()
+    }
+
+    /// Decodes one batch; never fails: it retries on other workers, falls back to local decode
+    /// when no worker is available, and reports bad samples as skips.
+    async fn decode(&self, seq: u64, batch_id: u64, refs: &[SampleRef]) -> Decoded {
+        if self.routed_locally(seq) {
+            return self.decode_locally(refs).await;
+        }
+        let mut tried: HashSet<String> = HashSet::new();
+        let mut round = 0u32;
+        loop {
+            let Some(out) = self.fleet.pick(&tried) else {
+                if self.fleet.counts().available == 0 && self.local_fallback {
+                    return self.decode_locally(refs).await;
+                }
+                // Every available worker was tried (or is busy): pause, then go round again.
+                tried.clear();
+                round += 1;
+                let pause = Duration::from_millis(20u64 << round.min(5));
+                tokio::time::sleep(pause).await;
+                continue;
+            };
+            let worker = out.worker().clone();
+            let request = proto::DecodeBatchRequest {
+                batch_id,
+                bucket: self.bucket.clone(),
+                samples: refs
+                    .iter()
+                    .map(|s| proto::SampleRef {
+                        key: s.key.clone(),
+                        metadata: s.metadata.clone(),
+                        inline: Bytes::new(),
+                    })
+                    .collect(),
+                transform: Some(transform_to_proto(&self.transform)),
+            };
+            let outcome = match worker.client().await {
+                Ok(mut client) => {
+                    match tokio::time::timeout(self.batch_timeout, client.decode_batch(request)).await {
+                        Ok(Ok(reply)) if reply.samples.len() == refs.len() => Ok(reply),
+                        Ok(Ok(_)) => Err(("bad_reply", true)),
+                        Ok(Err(status)) => Err(match status.code() {
+                            // A full queue is not a fault: try another worker.
+                            tonic::Code::ResourceExhausted => ("busy", false),
+                            tonic::Code::Unavailable => ("unavailable", true),
+                            _ => ("error", true),
+                        }),
+                        Err(_) => Err(("timeout", true)),
+                    }
+                }
+                Err(_) => Err(("connect", true)),
+            };
+            drop(out);
+            match outcome {
+                Ok(mut reply) => {
+                    self.fleet.succeeded(&worker);
+                    let pixels = std::mem::take(&mut reply.pixels);
+                    self.metrics.bytes_received.inc_by(pixels.len() as u64);
+                    self.metrics
+                        .batches_decoded
+                        .get_or_create(&RouteLabel { route: "remote" })
+                        .inc();
+                    return Decoded {
+                        pixels,
+                        samples: batch_from_reply(reply).samples,
+                        route: "remote",
+                    };
+                }
+                Err((reason, fault)) => {
+                    self.metrics.retry(reason);
+                    if fault && self.fleet.failed(&worker) {
+                        tracing::warn!(worker = %worker.endpoint, "worker keeps failing; set aside");
+                    }
+                    tracing::info!(worker = %worker.endpoint, batch_id, reason, "batch failed; re-sending");
+                    tried.insert(worker.endpoint.clone());
+                }
+            }
+        }
+    }
+
+    async fn decode_locally(&self, refs: &[SampleRef]) -> Decoded {
+        let encoded: Vec<EncodedSample> = join_all(refs.iter().map(|s| async move {
+            let data = self.source.get(&self.bucket, &s.key).await.map_err(|e| {
+                tracing::warn!(key = %s.key, reason = %e.skip_reason(), error = %e, "skipping sample");
+                e.skip_reason()
+            });
+            EncodedSample {
+                key: s.key.clone(),
+                metadata: s.metadata.clone(),
+                data,
+            }
+        }))
+        .await;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (transform, limits) = (self.transform, self.limits);
+        self.local_pool.spawn(move || {
+            // A panic in a decoder must cost one batch, not the sidecar.
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                decode_batch(&encoded, &transform, &limits)
+            }));
+            let _ = tx.send((result, encoded));
+        });
+        self.metrics
+            .batches_decoded
+            .get_or_create(&RouteLabel { route: "local" })
+            .inc();
+        match rx.await {
+            Ok((Ok(batch), _)) => Decoded {
+                pixels: Bytes::from(batch.pixels),
+                samples: batch.samples,
+                route: "local",
+            },
+            Ok((Err(_), encoded)) => {
+                tracing::error!("local decoder panicked; the batch's samples are reported as corrupt");
+                all_skipped(&encoded, SkipReason::Corrupt)
+            }
+            Err(_) => all_skipped_refs(refs, SkipReason::Corrupt),
+        }
+    }
+}
+
+fn all_skipped(encoded: &[EncodedSample], reason: SkipReason) -> Decoded {
+    Decoded {
+        pixels: Bytes::new(),
+        samples: encoded
+            .iter()
+            .map(|s| SampleMeta {
+                key: s.key.clone(),
+                metadata: s.metadata.clone(),
+                skip: Some(reason),
+                ..SampleMeta::default()
+            })
+            .collect(),
+        route: "local",
+    }
+}
+
+fn all_skipped_refs(refs: &[SampleRef], reason: SkipReason) -> Decoded {
+    Decoded {
+        pixels: Bytes::new(),
+        samples: refs
+            .iter()
+            .map(|s| SampleMeta {
+                key: s.key.clone(),
+                metadata: s.metadata.clone(),
+                skip: Some(reason),
+                ..SampleMeta::default()
+            })
+            .collect(),
+        route: "local",
+    }
+}
+
+/// Counts a delivered batch's samples and skips.
+pub fn count_delivered(metrics: &SidecarMetrics, header: &BatchHeader) {
+    metrics.batches_delivered.inc();
+    metrics.samples_delivered.inc_by(header.samples.len() as u64);
+    for s in &header.samples {
+        if let Some(reason) = s.skip.as_deref() {
+            let reason = SkipReason::parse(reason).map_or("other", SkipReason::as_str);
+            metrics.samples_skipped.get_or_create(&ReasonLabel { reason }).inc();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn delivery_reorders_by_sequence() {
+        let d = Delivery::default();
+        d.publish(1, Item::EndOfEpoch(1));
+        assert!(d.next(Duration::from_millis(20)).await.is_none(), "seq 0 is missing");
+        d.publish(0, Item::EndOfEpoch(0));
+        assert!(matches!(d.next(Duration::ZERO).await, Some(Item::EndOfEpoch(0))));
+        assert!(matches!(d.next(Duration::ZERO).await, Some(Item::EndOfEpoch(1))));
+        d.publish(2, Item::Done);
+        assert!(matches!(d.next(Duration::ZERO).await, Some(Item::Done)));
+        assert!(matches!(d.next(Duration::ZERO).await, Some(Item::Done)), "done repeats");
+    }
+}
