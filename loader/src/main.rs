@@ -244,7 +244,8 @@ async fn shutdown_signal() {
 
 async fn sidecar(args: SidecarCmd) -> anyhow::Result<()> {
     let transform = args.transform.transform()?;
-    stoker_loader::sidecar::run(args.sidecar, args.s3.config(), transform, shutdown_signal()).await?;
+    stoker_loader::sidecar::run(args.sidecar, args.s3.config(), transform, shutdown_signal())
+        .await?;
     Ok(())
 }
 

@@ -66,7 +66,9 @@ pub fn probe() -> GpuProbe {
             devices,
             driver_version,
         },
-        Err(e) => GpuProbe::Unavailable { reason: e.to_string() },
+        Err(e) => GpuProbe::Unavailable {
+            reason: e.to_string(),
+        },
     }
 }
 
@@ -86,14 +88,18 @@ fn try_probe() -> Result<(u32, i32), GpuError> {
             })
     };
     guarded("cuInit", &|| result::init().map(|()| 0))?;
-    let devices = guarded("cuDeviceGetCount", &|| result::device::get_count().map(i64::from))?;
+    let devices = guarded("cuDeviceGetCount", &|| {
+        result::device::get_count().map(i64::from)
+    })?;
     if devices <= 0 {
         return Err(GpuError::NoDevice);
     }
     let version = guarded("cuDriverGetVersion", &|| {
         let mut v = 0i32;
         // SAFETY: writes one int through a valid pointer.
-        unsafe { sys::cuDriverGetVersion(&mut v) }.result().map(|()| i64::from(v))
+        unsafe { sys::cuDriverGetVersion(&mut v) }
+            .result()
+            .map(|()| i64::from(v))
     })?;
     Ok((devices as u32, version as i32))
 }
@@ -112,6 +118,9 @@ mod tests {
         if std::path::Path::new("/dev/nvidia0").exists() {
             return;
         }
-        assert!(!probe().is_available(), "no /dev/nvidia0 here, so no GPU should be found");
+        assert!(
+            !probe().is_available(),
+            "no /dev/nvidia0 here, so no GPU should be found"
+        );
     }
 }

@@ -101,13 +101,19 @@ impl TrainerClient {
 }
 
 fn send(writer: &mut UnixStream, req: &Request) -> Result<(), ClientError> {
-    let mut text = serde_json::to_string(req).map_err(|e| ClientError::Protocol { detail: e.to_string() })?;
+    let mut text = serde_json::to_string(req).map_err(|e| ClientError::Protocol {
+        detail: e.to_string(),
+    })?;
     text.push('\n');
     writer.write_all(text.as_bytes())?;
     Ok(())
 }
 
-fn call(reader: &mut BufReader<UnixStream>, writer: &mut UnixStream, req: &Request) -> Result<Reply, ClientError> {
+fn call(
+    reader: &mut BufReader<UnixStream>,
+    writer: &mut UnixStream,
+    req: &Request,
+) -> Result<Reply, ClientError> {
     send(writer, req)?;
     let mut line = String::new();
     if reader.read_line(&mut line)? == 0 {

@@ -62,7 +62,9 @@ impl DecodeWorkerHandle {
     }
 
     fn health(&self) -> std::sync::MutexGuard<'_, Health> {
-        self.health.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.health
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn available(&self, now: Instant) -> bool {
@@ -107,7 +109,9 @@ impl DecoderFleet {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<DecodeWorkerHandle>>> {
-        self.workers.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.workers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Replaces the set of workers with what discovery found; known workers keep their
@@ -182,18 +186,31 @@ mod tests {
         let none = HashSet::new();
         let first = fleet.pick(&none).unwrap();
         let second = fleet.pick(&none).unwrap();
-        assert_ne!(first.worker().endpoint, second.worker().endpoint, "spread by outstanding");
+        assert_ne!(
+            first.worker().endpoint,
+            second.worker().endpoint,
+            "spread by outstanding"
+        );
         let a = first.worker().clone();
         drop(first);
         assert_eq!(fleet.pick(&none).unwrap().worker().endpoint, a.endpoint);
         assert!(!fleet.failed(&a));
         assert!(fleet.failed(&a), "second failure in a row sets it aside");
-        assert_eq!(fleet.counts(), FleetCounts { available: 1, set_aside: 1 });
+        assert_eq!(
+            fleet.counts(),
+            FleetCounts {
+                available: 1,
+                set_aside: 1
+            }
+        );
         for _ in 0..3 {
             assert_ne!(fleet.pick(&none).unwrap().worker().endpoint, a.endpoint);
         }
         let tried: HashSet<String> = [second.worker().endpoint.clone()].into_iter().collect();
-        assert!(fleet.pick(&tried).is_none(), "nothing left once the only healthy one was tried");
+        assert!(
+            fleet.pick(&tried).is_none(),
+            "nothing left once the only healthy one was tried"
+        );
         assert_eq!(fleet.update(&["http://c".into()]), (1, 2));
     }
 }

@@ -63,7 +63,11 @@ impl SidecarMetrics {
         let mut registry = root;
         let r = registry.sub_registry_with_prefix("stoker_sidecar");
         let batches_delivered = Counter::default();
-        r.register("batches_delivered", "Batches handed to the trainer", batches_delivered.clone());
+        r.register(
+            "batches_delivered",
+            "Batches handed to the trainer",
+            batches_delivered.clone(),
+        );
         let samples_delivered = Counter::default();
         r.register(
             "samples_delivered",
@@ -117,7 +121,9 @@ impl SidecarMetrics {
         let epoch = Gauge::default();
         r.register("epoch", "Epoch being prefetched", epoch.clone());
         for reason in SkipReason::ALL {
-            let _ = samples_skipped.get_or_create(&ReasonLabel { reason: reason.as_str() });
+            let _ = samples_skipped.get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            });
         }
         for route in ["remote", "local"] {
             let _ = batches_decoded.get_or_create(&RouteLabel { route });

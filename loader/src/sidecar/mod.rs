@@ -60,7 +60,10 @@ pub enum SidecarError {
     #[error("starting the local decode pool: {detail}")]
     Pool { detail: String },
     #[error("--start-batch {start_batch} is past the {batches_per_epoch} batches of an epoch")]
-    StartBatch { start_batch: u64, batches_per_epoch: u64 },
+    StartBatch {
+        start_batch: u64,
+        batches_per_epoch: u64,
+    },
 }
 
 impl SidecarError {
@@ -173,9 +176,10 @@ pub struct SidecarArgs {
 
 impl SidecarArgs {
     pub fn socket_path(&self) -> PathBuf {
-        self.socket
-            .clone()
-            .unwrap_or_else(|| self.shm_dir.join(format!("stoker-{}.sock", self.local_rank)))
+        self.socket.clone().unwrap_or_else(|| {
+            self.shm_dir
+                .join(format!("stoker-{}.sock", self.local_rank))
+        })
     }
 
     fn discovery(&self) -> Option<Box<dyn WorkerDiscovery>> {
@@ -213,8 +217,15 @@ pub async fn run(
 ) -> Result<(), SidecarError> {
     let probe = gpu::probe();
     match &probe {
-        GpuProbe::Available { devices, driver_version } => {
-            tracing::info!(devices, driver_version, "GPU found: trainers may pin the ring")
+        GpuProbe::Available {
+            devices,
+            driver_version,
+        } => {
+            tracing::info!(
+                devices,
+                driver_version,
+                "GPU found: trainers may pin the ring"
+            )
         }
         GpuProbe::Unavailable { reason } => tracing::info!(%reason, "GPU placement off"),
     }
@@ -273,7 +284,9 @@ pub async fn run(
         .num_threads(threads)
         .thread_name(|i| format!("local-decode-{i}"))
         .build()
-        .map_err(|e| SidecarError::Pool { detail: e.to_string() })?;
+        .map_err(|e| SidecarError::Pool {
+            detail: e.to_string(),
+        })?;
 
     let fleet = Arc::new(DecoderFleet::new(FleetPolicy {
         max_failures: args.max_worker_failures.max(1),
@@ -286,7 +299,11 @@ pub async fn run(
         None => args.discovery(),
     };
     // With no worker source at all, every batch is decoded here.
-    let local_share = if discovery.is_none() { 1.0 } else { args.local_share };
+    let local_share = if discovery.is_none() {
+        1.0
+    } else {
+        args.local_share
+    };
     if let Some(d) = discovery {
         match d.discover().await {
             Ok(list) => {
@@ -304,7 +321,12 @@ pub async fn run(
                     Ok(list) => {
                         let (added, removed) = fleet.update(&list);
                         if added + removed > 0 {
-                            tracing::info!(added, removed, workers = list.len(), "decode workers changed");
+                            tracing::info!(
+                                added,
+                                removed,
+                                workers = list.len(),
+                                "decode workers changed"
+                            );
                         }
                     }
                     Err(err) => tracing::warn!(%err, reason = err.category(), "worker discovery"),
@@ -369,11 +391,13 @@ pub async fn run(
             addr: args.http_addr.to_string(),
             source,
         })?;
-    let http_addr = http_listener.local_addr().map_err(|source| SidecarError::Bind {
-        what: "http",
-        addr: args.http_addr.to_string(),
-        source,
-    })?;
+    let http_addr = http_listener
+        .local_addr()
+        .map_err(|source| SidecarError::Bind {
+            what: "http",
+            addr: args.http_addr.to_string(),
+            source,
+        })?;
     let app = http::router(http::HttpState {
         pipeline: pipeline.clone(),
         socket_listening: socket_listening.clone(),
@@ -389,11 +413,12 @@ pub async fn run(
     let socket = args.socket_path();
     // A socket file left by a previous run of this sidecar would make bind fail.
     let _ = std::fs::remove_file(&socket);
-    let listener = tokio::net::UnixListener::bind(&socket).map_err(|source| SidecarError::Bind {
-        what: "unix socket",
-        addr: socket.display().to_string(),
-        source,
-    })?;
+    let listener =
+        tokio::net::UnixListener::bind(&socket).map_err(|source| SidecarError::Bind {
+            what: "unix socket",
+            addr: socket.display().to_string(),
+            source,
+        })?;
     socket_listening.store(true, std::sync::atomic::Ordering::SeqCst);
     // Scripts and tests wait for this line to learn the addresses.
     println!(

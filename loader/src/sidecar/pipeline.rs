@@ -47,7 +47,9 @@ pub struct Delivery {
 
 impl Delivery {
     fn lock(&self) -> std::sync::MutexGuard<'_, DeliveryState> {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     pub fn publish(&self, seq: u64, item: Item) {
@@ -166,7 +168,15 @@ impl Pipeline {
         }
     }
 
-    async fn fill(self: Arc<Self>, seq: u64, epoch: u64, index: u64, batch_id: u64, refs: Vec<SampleRef>, mut lease: SlotLease) {
+    async fn fill(
+        self: Arc<Self>,
+        seq: u64,
+        epoch: u64,
+        index: u64,
+        batch_id: u64,
+        refs: Vec<SampleRef>,
+        mut lease: SlotLease,
+    ) {
         let decoded = self.decode(seq, batch_id, &refs).await;
         let slot_bytes = self.ring.slot_bytes();
         let slot = lease.bytes_mut();
@@ -214,7 +224,9 @@ impl Pipeline {
         lease.publish();
         self.metrics.inflight_batches.dec();
         self.delivery.publish(seq, Item::Batch(header));
-        self.metrics.ready_batches.set(self.delivery.ready_batches() as i64);
+        self.metrics
+            .ready_batches
+            .set(self.delivery.ready_batches() as i64);
     }
 
     /// Whether batch `seq` goes to the local decoder under the current share: spreads the
@@ -266,7 +278,9 @@ impl Pipeline {
             };
             let outcome = match worker.client().await {
                 Ok(mut client) => {
-                    match tokio::time::timeout(self.batch_timeout, client.decode_batch(request)).await {
+                    match tokio::time::timeout(self.batch_timeout, client.decode_batch(request))
+                        .await
+                    {
                         Ok(Ok(reply)) if reply.samples.len() == refs.len() => Ok(reply),
                         Ok(Ok(_)) => Err(("bad_reply", true)),
                         Ok(Err(status)) => Err(match status.code() {
@@ -341,7 +355,9 @@ impl Pipeline {
                 route: "local",
             },
             Ok((Err(_), encoded)) => {
-                tracing::error!("local decoder panicked; the batch's samples are reported as corrupt");
+                tracing::error!(
+                    "local decoder panicked; the batch's samples are reported as corrupt"
+                );
                 all_skipped(&encoded, SkipReason::Corrupt)
             }
             Err(_) => all_skipped_refs(refs, SkipReason::Corrupt),
@@ -384,11 +400,16 @@ fn all_skipped_refs(refs: &[SampleRef], reason: SkipReason) -> Decoded {
 /// Counts a delivered batch's samples and skips.
 pub fn count_delivered(metrics: &SidecarMetrics, header: &BatchHeader) {
     metrics.batches_delivered.inc();
-    metrics.samples_delivered.inc_by(header.samples.len() as u64);
+    metrics
+        .samples_delivered
+        .inc_by(header.samples.len() as u64);
     for s in &header.samples {
         if let Some(reason) = s.skip.as_deref() {
             let reason = SkipReason::parse(reason).map_or("other", SkipReason::as_str);
-            metrics.samples_skipped.get_or_create(&ReasonLabel { reason }).inc();
+            metrics
+                .samples_skipped
+                .get_or_create(&ReasonLabel { reason })
+                .inc();
         }
     }
 }
@@ -401,12 +422,24 @@ mod tests {
     async fn delivery_reorders_by_sequence() {
         let d = Delivery::default();
         d.publish(1, Item::EndOfEpoch(1));
-        assert!(d.next(Duration::from_millis(20)).await.is_none(), "seq 0 is missing");
+        assert!(
+            d.next(Duration::from_millis(20)).await.is_none(),
+            "seq 0 is missing"
+        );
         d.publish(0, Item::EndOfEpoch(0));
-        assert!(matches!(d.next(Duration::ZERO).await, Some(Item::EndOfEpoch(0))));
-        assert!(matches!(d.next(Duration::ZERO).await, Some(Item::EndOfEpoch(1))));
+        assert!(matches!(
+            d.next(Duration::ZERO).await,
+            Some(Item::EndOfEpoch(0))
+        ));
+        assert!(matches!(
+            d.next(Duration::ZERO).await,
+            Some(Item::EndOfEpoch(1))
+        ));
         d.publish(2, Item::Done);
         assert!(matches!(d.next(Duration::ZERO).await, Some(Item::Done)));
-        assert!(matches!(d.next(Duration::ZERO).await, Some(Item::Done)), "done repeats");
+        assert!(
+            matches!(d.next(Duration::ZERO).await, Some(Item::Done)),
+            "done repeats"
+        );
     }
 }

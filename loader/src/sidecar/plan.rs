@@ -37,7 +37,9 @@ pub enum PlanError {
     RankOutOfRange { rank: u32, world_size: u32 },
     #[error("batch size must be at least 1")]
     ZeroBatch,
-    #[error("{samples} samples give rank {rank} of {world_size} no batch of {batch_size} (dropLast)")]
+    #[error(
+        "{samples} samples give rank {rank} of {world_size} no batch of {batch_size} (dropLast)"
+    )]
     NoBatches {
         samples: usize,
         rank: u32,
@@ -95,7 +97,8 @@ impl PlanConfig {
 
     /// Batches each rank receives per epoch (equal on every rank).
     pub fn batches_per_epoch(&self, samples: usize) -> usize {
-        self.samples_per_rank(samples).div_ceil(self.batch_size.max(1))
+        self.samples_per_rank(samples)
+            .div_ceil(self.batch_size.max(1))
     }
 
     /// The plan of `epoch` for this rank over a dataset of `samples` samples.
@@ -168,14 +171,32 @@ mod tests {
 
     #[test]
     fn ranks_are_disjoint_cover_everything_and_have_equal_batch_counts() {
-        for (n, world, bs) in [(100, 4, 8), (101, 4, 8), (7, 2, 3), (64, 1, 16), (1000, 8, 32)] {
-            let plans: Vec<EpochPlan> = (0..world).map(|r| cfg(r, world, bs, false).epoch(n, 3)).collect();
+        for (n, world, bs) in [
+            (100, 4, 8),
+            (101, 4, 8),
+            (7, 2, 3),
+            (64, 1, 16),
+            (1000, 8, 32),
+        ] {
+            let plans: Vec<EpochPlan> = (0..world)
+                .map(|r| cfg(r, world, bs, false).epoch(n, 3))
+                .collect();
             let counts: HashSet<usize> = plans.iter().map(|p| p.batches.len()).collect();
-            assert_eq!(counts.len(), 1, "n={n} world={world}: batch counts {counts:?}");
-            let all: Vec<usize> = plans.iter().flat_map(|p| p.batches.iter().flatten().copied()).collect();
+            assert_eq!(
+                counts.len(),
+                1,
+                "n={n} world={world}: batch counts {counts:?}"
+            );
+            let all: Vec<usize> = plans
+                .iter()
+                .flat_map(|p| p.batches.iter().flatten().copied())
+                .collect();
             let distinct: HashSet<usize> = all.iter().copied().collect();
             assert_eq!(distinct.len(), n, "every sample delivered");
-            assert!(all.len() - n < world as usize, "padding is below the world size");
+            assert!(
+                all.len() - n < world as usize,
+                "padding is below the world size"
+            );
             if n % world as usize == 0 {
                 assert_eq!(all.len(), n, "no padding when n divides by the world size");
             }
@@ -185,7 +206,9 @@ mod tests {
     #[test]
     fn drop_last_gives_full_batches_and_disjoint_shards() {
         let (n, world, bs) = (103, 4, 8);
-        let plans: Vec<EpochPlan> = (0..world).map(|r| cfg(r, world, bs, true).epoch(n, 0)).collect();
+        let plans: Vec<EpochPlan> = (0..world)
+            .map(|r| cfg(r, world, bs, true).epoch(n, 0))
+            .collect();
         let mut seen = HashSet::new();
         for p in &plans {
             assert_eq!(p.batches.len(), 3);
@@ -203,7 +226,11 @@ mod tests {
         let c = cfg(1, 2, 4, false);
         assert_eq!(c.epoch(50, 7), c.epoch(50, 7));
         assert_ne!(c.epoch(50, 7).batches, c.epoch(50, 8).batches);
-        let unshuffled = PlanConfig { shuffle: false, ..c }.epoch(8, 0);
+        let unshuffled = PlanConfig {
+            shuffle: false,
+            ..c
+        }
+        .epoch(8, 0);
         assert_eq!(unshuffled.batches, vec![vec![1, 3, 5, 7]]);
     }
 
@@ -221,9 +248,18 @@ mod tests {
 
     #[test]
     fn bad_configs_are_errors() {
-        assert!(matches!(cfg(2, 2, 4, false).validate(10), Err(PlanError::RankOutOfRange { .. })));
-        assert!(matches!(cfg(0, 1, 0, false).validate(10), Err(PlanError::ZeroBatch)));
-        assert!(matches!(cfg(0, 4, 8, true).validate(20), Err(PlanError::NoBatches { .. })));
+        assert!(matches!(
+            cfg(2, 2, 4, false).validate(10),
+            Err(PlanError::RankOutOfRange { .. })
+        ));
+        assert!(matches!(
+            cfg(0, 1, 0, false).validate(10),
+            Err(PlanError::ZeroBatch)
+        ));
+        assert!(matches!(
+            cfg(0, 4, 8, true).validate(20),
+            Err(PlanError::NoBatches { .. })
+        ));
         assert!(cfg(0, 4, 8, false).validate(20).is_ok());
     }
 }

@@ -83,18 +83,25 @@ pub struct HelloInfo {
 pub enum Reply {
     Hello(HelloInfo),
     Batch(BatchHeader),
-    EndOfEpoch { epoch: u64 },
+    EndOfEpoch {
+        epoch: u64,
+    },
     /// The configured number of epochs is over.
     Done,
     /// Nothing became ready within the request's timeout.
     Timeout,
-    Error { message: String },
+    Error {
+        message: String,
+    },
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the same clock as Python's `time.monotonic_ns()`, so the
 /// trainer can measure hand-off latency against `ready_ns`.
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes into the timespec we own; CLOCK_MONOTONIC always exists on Linux.
     unsafe {
         libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
@@ -109,7 +116,12 @@ mod tests {
     #[test]
     fn wire_format_is_tagged_json() {
         let r: Request = serde_json::from_str(r#"{"op":"next","timeout_ms":5}"#).unwrap();
-        assert_eq!(r, Request::Next { timeout_ms: Some(5) });
+        assert_eq!(
+            r,
+            Request::Next {
+                timeout_ms: Some(5)
+            }
+        );
         let r: Request = serde_json::from_str(r#"{"op":"next"}"#).unwrap();
         assert_eq!(r, Request::Next { timeout_ms: None });
         let text = serde_json::to_string(&Reply::EndOfEpoch { epoch: 2 }).unwrap();

@@ -94,11 +94,14 @@ impl ShmRing {
             .open(&path)
             .map_err(create_err)?;
         // Sparse: pages of tmpfs are allocated when a batch is first written into them.
-        file.set_len((slots * slot_bytes) as u64).map_err(create_err)?;
-        let map = MmapOptions::new().map_raw(&file).map_err(|source| RingError::Map {
-            path: path.clone(),
-            source,
-        })?;
+        file.set_len((slots * slot_bytes) as u64)
+            .map_err(create_err)?;
+        let map = MmapOptions::new()
+            .map_raw(&file)
+            .map_err(|source| RingError::Map {
+                path: path.clone(),
+                source,
+            })?;
         Ok(Arc::new(ShmRing {
             path,
             map,
@@ -133,7 +136,10 @@ impl ShmRing {
             Err(_) => std::future::pending::<()>().await,
         }
         let mut states = self.lock();
-        let index = states.iter().position(|s| *s == SlotState::Free).unwrap_or(0);
+        let index = states
+            .iter()
+            .position(|s| *s == SlotState::Free)
+            .unwrap_or(0);
         states[index] = SlotState::Filling;
         SlotLease {
             ring: self.clone(),
@@ -159,7 +165,9 @@ impl ShmRing {
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<SlotState>> {
         // A poisoned lock only means another thread panicked mid-update of a plain Vec; the
         // states are still consistent enough to keep serving.
-        self.states.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.states
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -225,15 +233,23 @@ mod tests {
         assert_ne!(a.index(), b.index());
         assert_eq!(ring.free_slots(), 0);
         // A third acquire waits until a slot comes back.
-        let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), ring.acquire()).await;
+        let waiting =
+            tokio::time::timeout(std::time::Duration::from_millis(50), ring.acquire()).await;
         assert!(waiting.is_err());
         drop(b);
         let c = ring.acquire().await;
         let held = a.publish();
-        assert!(ring.release(c.index()).is_err(), "a slot being filled cannot be released");
+        assert!(
+            ring.release(c.index()).is_err(),
+            "a slot being filled cannot be released"
+        );
         ring.release(held).unwrap();
         assert!(ring.release(held).is_err(), "double release is refused");
         let data = std::fs::read(ring.path()).unwrap();
-        assert_eq!(data[held as usize * PAGE], 7, "writes land in the shared file");
+        assert_eq!(
+            data[held as usize * PAGE],
+            7,
+            "writes land in the shared file"
+        );
     }
 }

@@ -99,7 +99,11 @@ mod tests {
     use super::*;
 
     fn pod(ready: &str, ip: Option<&str>, draining: Option<&str>) -> Pod {
-        let labels = draining.map(|d| [(DRAINING_LABEL.to_string(), d.to_string())].into_iter().collect());
+        let labels = draining.map(|d| {
+            [(DRAINING_LABEL.to_string(), d.to_string())]
+                .into_iter()
+                .collect()
+        });
         serde_json::from_value(serde_json::json!({
             "metadata": { "name": "d", "labels": labels },
             "status": {
@@ -120,8 +124,14 @@ mod tests {
             serving_address(&pod("True", Some("fd00::1"), Some("false")), 50051).as_deref(),
             Some("http://[fd00::1]:50051")
         );
-        assert_eq!(serving_address(&pod("False", Some("10.0.0.7"), None), 50051), None);
+        assert_eq!(
+            serving_address(&pod("False", Some("10.0.0.7"), None), 50051),
+            None
+        );
         assert_eq!(serving_address(&pod("True", None, None), 50051), None);
-        assert_eq!(serving_address(&pod("True", Some("10.0.0.7"), Some("true")), 50051), None);
+        assert_eq!(
+            serving_address(&pod("True", Some("10.0.0.7"), Some("true")), 50051),
+            None
+        );
     }
 }

@@ -41,7 +41,8 @@ impl DiscoveryError {
     }
 }
 
-pub type DiscoveryFuture<'a> = Pin<Box<dyn Future<Output = Result<Vec<String>, DiscoveryError>> + Send + 'a>>;
+pub type DiscoveryFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<Vec<String>, DiscoveryError>> + Send + 'a>>;
 
 /// A source of decode worker endpoints (`http://host:port`).
 pub trait WorkerDiscovery: Send + Sync {
@@ -110,7 +111,10 @@ mod tests {
     #[tokio::test]
     async fn static_and_dns_discovery() {
         let s = StaticWorkers(vec!["127.0.0.1:1".into(), "http://h:2".into()]);
-        assert_eq!(s.discover().await.unwrap(), vec!["http://127.0.0.1:1", "http://h:2"]);
+        assert_eq!(
+            s.discover().await.unwrap(),
+            vec!["http://127.0.0.1:1", "http://h:2"]
+        );
         let d = DnsWorkers {
             name: "localhost".into(),
             port: 50051,
