@@ -1,0 +1,182 @@
+//! Sidecar injection through the real API server: a MutatingWebhookConfiguration pointing at the
+//! in-process operator's webhook over TLS with its self-managed certificate.
+
+mod operator_support;
+
+use std::time::Duration;
+
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::{Client, ResourceExt};
+use operator_support::*;
+use serde_json::json;
+use stoker_operator::api::DataPipeline;
+use stoker_operator::webhook::WebhookConfig;
+use stoker_operator::webhook::inject::InjectConfig;
+use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
+use stoker_testenv::cluster::ControlPlane;
+
+fn webhook_configuration(name: &str, namespace: &str, url: &str) -> MutatingWebhookConfiguration {
+    serde_json::from_value(json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": [{
+            "name": "inject.stoker.dev",
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "failurePolicy": "Fail",
+            "reinvocationPolicy": "IfNeeded",
+            "timeoutSeconds": 10,
+            "clientConfig": {"url": url},
+            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
+                       "resources": ["pods"], "scope": "Namespaced"}],
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+            "objectSelector": {"matchExpressions": [
+                {"key": "stoker.dev/pipeline", "operator": "Exists"},
+                {"key": "stoker.dev/role", "operator": "NotIn", "values": ["decoder"]}
+            ]}
+        }]
+    }))
+    .expect("webhook configuration")
+}
+
+fn trainer(name: &str, pipeline: Option<&str>) -> Pod {
+    let labels = match pipeline {
+        Some(p) => json!({"stoker.dev/pipeline": p, "app": "trainer"}),
+        None => json!({"app": "trainer"}),
+    };
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": labels, "annotations": {"stoker.dev/world-size": "2"}},
+        "spec": {
+            "containers": [{"name": "trainer", "image": "registry.invalid/trainer:1"}],
+            "nodeSelector": {"stoker.dev/pool": "cpu"}
+        }
+    }))
+    .expect("pod")
+}
+
+fn count<T>(items: Option<&Vec<T>>, pred: impl Fn(&T) -> bool) -> usize {
+    items.map_or(0, |v| v.iter().filter(|x| pred(x)).count())
+}
+
+async fn start_with_webhook(client: &Client, ns: &str, mwc: &str) -> Operator {
+    let webhook = WebhookConfig {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        tls: TlsSource::SelfManaged(SelfManaged {
+            secret_namespace: ns.to_string(),
+            secret_name: "stoker-webhook-tls".into(),
+            dns_names: vec![format!("stoker-webhook.{ns}.svc")],
+            ip_addresses: vec!["127.0.0.1".parse().expect("ip")],
+            webhook_configuration: mwc.to_string(),
+            validity: Duration::from_secs(90 * 86_400),
+            renew_before: Duration::from_secs(30 * 86_400),
+        }),
+        refresh_interval: Duration::from_secs(60),
+        inject: InjectConfig {
+            loader_image: LOADER_IMAGE.into(),
+            sidecar_resources: None,
+        },
+    };
+    Operator::start(client.clone(), ns, Some(webhook)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
+    let cp = ControlPlane::shared();
+    let ns = cp.namespace("op-webhook").await;
+    install_crd(&ns.client).await;
+    let dps: Api<DataPipeline> = Api::namespaced(ns.client.clone(), &ns.name);
+    dps.create(&PostParams::default(), &pipeline("vision", 2, 1))
+        .await
+        .expect("create pipeline");
+
+    // The configuration exists first (the operator writes its caBundle), then gets our port.
+    let mwc_name = format!("stoker-{}", ns.name);
+    let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ns.client.clone());
+    mwcs.create(&PostParams::default(), &webhook_configuration(&mwc_name, &ns.name, "https://127.0.0.1:1/mutate"))
+        .await
+        .expect("create webhook configuration");
+    let op = start_with_webhook(&ns.client, &ns.name, &mwc_name).await;
+    let port = op.webhook_addr.expect("webhook address").port();
+    let mut mwc = mwcs.get(&mwc_name).await.expect("get mwc");
+    let secret = Api::<Secret>::namespaced(ns.client.clone(), &ns.name)
+        .get("stoker-webhook-tls")
+        .await
+        .expect("self-managed Secret");
+    let ca = secret.data.as_ref().and_then(|d| d.get("ca.crt")).expect("ca.crt").clone();
+    let hook = &mut mwc.webhooks.as_mut().expect("webhooks")[0];
+    assert_eq!(hook.client_config.ca_bundle.as_ref(), Some(&ca), "operator wrote its CA into caBundle");
+    hook.client_config.url = Some(format!("https://127.0.0.1:{port}/mutate"));
+    mwcs.replace(&mwc_name, &PostParams::default(), &mwc).await.expect("point at webhook");
+    let decoders_before = uids(&wait_ready_decoders(&ns.client, &ns.name, "vision", 2).await);
+
+    // A labelled trainer pod gets the native sidecar, the shared-memory volume and the env.
+    let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    let created = eventually("webhook reachable", Duration::from_secs(30), || async {
+        pods.create(&PostParams::default(), &trainer("trainer-0", Some("vision"))).await.ok()
+    })
+    .await;
+    let spec = created.spec.clone().expect("spec");
+    let inits = spec.init_containers.clone().expect("init containers");
+    assert_eq!(inits[0].name, "stoker-loader");
+    assert_eq!(inits[0].restart_policy.as_deref(), Some("Always"));
+    assert!(inits[0].startup_probe.is_some());
+    let shm = spec.volumes.as_ref().and_then(|v| v.iter().find(|v| v.name == "stoker-shm")).expect("shm volume");
+    assert_eq!(shm.empty_dir.as_ref().and_then(|e| e.medium.as_deref()), Some("Memory"));
+    let env = spec.containers[0].env.clone().expect("env");
+    assert!(env.iter().any(|e| e.name == "STOKER_SOCKET" && e.value.as_deref() == Some("/dev/shm/stoker/stoker.sock")));
+    assert_eq!(created.labels().get("stoker.dev/role").map(String::as_str), Some("trainer"));
+
+    // Re-invocation on an already injected pod adds nothing twice.
+    let mut again = created.clone();
+    again.metadata = kube::api::ObjectMeta {
+        name: Some("trainer-1".into()),
+        labels: created.metadata.labels.clone(),
+        annotations: created.metadata.annotations.clone(),
+        ..Default::default()
+    };
+    again.status = None;
+    if let Some(s) = again.spec.as_mut() {
+        s.node_name = None;
+    }
+    let again = pods.create(&PostParams::default(), &again).await.expect("create injected copy");
+    let s = again.spec.expect("spec");
+    assert_eq!(count(s.init_containers.as_ref(), |c| c.name == "stoker-loader"), 1);
+    assert_eq!(count(s.volumes.as_ref(), |v| v.name == "stoker-shm"), 1);
+    assert_eq!(count(s.containers[0].env.as_ref(), |e| e.name == "STOKER_SOCKET"), 1);
+    assert_eq!(count(s.containers[0].volume_mounts.as_ref(), |m| m.name == "stoker-shm"), 1);
+
+    // An unlabelled pod is never touched.
+    let plain = pods.create(&PostParams::default(), &trainer("plain", None)).await.expect("plain pod");
+    assert!(plain.spec.expect("spec").init_containers.is_none());
+    assert!(plain.metadata.annotations.unwrap_or_default().get("stoker.dev/injected").is_none());
+
+    // A pod naming a pipeline that does not exist is refused, with a message that says why.
+    let refused = pods.create(&PostParams::default(), &trainer("orphan", Some("missing"))).await;
+    let message = match refused {
+        Err(kube::Error::Api(s)) => s.message.clone(),
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    assert!(message.contains("DataPipeline \"missing\"") && message.contains("does not exist"), "{message}");
+
+    // Trainers are tracked in status; a change in their number leaves the decoders alone.
+    eventually("two trainers in status", Duration::from_secs(30), || async {
+        let t = dps.get("vision").await.ok()?.status?.trainers;
+        (t.pods == 2 && t.injected == 2 && t.world_size == 2).then_some(())
+    })
+    .await;
+    pods.delete("trainer-1", &DeleteParams::default().grace_period(0)).await.expect("delete trainer");
+    eventually("one trainer in status", Duration::from_secs(30), || async {
+        let t = dps.get("vision").await.ok()?.status?.trainers;
+        (t.pods == 1).then_some(())
+    })
+    .await;
+    let decoders_after = uids(&wait_ready_decoders(&ns.client, &ns.name, "vision", 2).await);
+    assert_eq!(decoders_before, decoders_after, "trainer changes restarted decoders");
+
+    op.stop().await;
+    mwcs.delete(&mwc_name, &DeleteParams::default()).await.expect("delete mwc");
+}
