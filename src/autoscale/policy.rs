@@ -106,6 +106,11 @@ impl ScaleHistory {
         let keep = policy
             .scale_up_stabilization
             .max(policy.scale_down_stabilization);
+        if decision.conditions.metrics_unavailable {
+            // Readings from before an outage say nothing about after it: a scale-down must
+            // again wait out a full window of fresh ones.
+            self.recommendations.clear();
+        }
         if let Some(raw) = decision.learned.recommendation {
             self.recommendations.push_back((now, raw));
         }
@@ -437,12 +442,20 @@ fn stabilize(
 ) -> ScaleDecision {
     let min = policy.min_replicas;
     let max = policy.max_replicas.max(min);
+    // The window's recommendations. Until the history spans the whole window (a fresh start,
+    // an outage) the current size counts as one of them, so nothing moves on a short look.
     let within = |window: Duration| {
+        let secs = window.as_secs_f64();
+        let covered = history
+            .recommendations
+            .front()
+            .is_some_and(|(t, _)| elapsed(*t, now) >= secs);
         history
             .recommendations
             .iter()
-            .filter(move |(t, _)| elapsed(*t, now) < window.as_secs_f64())
+            .filter(move |(t, _)| elapsed(*t, now) < secs)
             .map(|(_, r)| *r)
+            .chain((!covered && secs > 0.0).then_some(current))
     };
     let mut to = raw;
     if raw < current && !skip_down_window {
@@ -693,4 +706,454 @@ pub fn count(x: f64) -> String {
         out.push(c);
     }
     if n < 0 { format!("-{out}") } else { out }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autoscale::signals::{DecoderSignal, NodeNetwork, gbps_to_bytes_per_second};
+
+    const GPU_NODE: &str = "gpu-1";
+    /// 448×448 RGB, and a typical JPEG of it.
+    const DECODED: f64 = 602_112.0;
+    const ENCODED: f64 = 100_000.0;
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).expect("valid time")
+    }
+
+    fn pod(i: usize) -> String {
+        format!("decoder-{i:02}")
+    }
+
+    /// `replicas` decoders spread round-robin over cpu-0..2, `trainers` trainers on gpu-1.
+    fn fleet(replicas: u32, trainers: u32) -> DecoderFleet {
+        DecoderFleet {
+            replicas,
+            pods: (0..replicas as usize)
+                .map(|i| (pod(i), format!("cpu-{}", i % 3)))
+                .collect(),
+            trainers,
+            trainer_nodes: BTreeMap::from([(GPU_NODE.to_string(), trainers)]),
+            node_link_bytes_per_second: BTreeMap::new(),
+        }
+    }
+
+    /// Every decoder at `busy` of a 210/s full rate; trainers consume what they deliver.
+    fn signals(replicas: u32, busy: f64, wait: f64) -> Signals {
+        let rate = 210.0 * busy;
+        Signals {
+            data_wait_share: Some(wait),
+            consumption_per_second: Some(rate * f64::from(replicas)),
+            trainers_reporting: None,
+            gpu_utilization_percent: None,
+            decoders: (0..replicas as usize)
+                .map(|i| {
+                    (
+                        pod(i),
+                        DecoderSignal {
+                            samples_per_second: rate,
+                            busy_share: busy,
+                        },
+                    )
+                })
+                .collect(),
+            nodes: BTreeMap::new(),
+            s3_throttles_per_second: Some(0.0),
+            s3_requests_per_second: Some(1000.0),
+            decoded_bytes_per_sample: Some(DECODED),
+            encoded_bytes_per_sample: Some(ENCODED),
+        }
+    }
+
+    fn nic(util: f64, gbps: f64) -> NodeNetwork {
+        let link = gbps_to_bytes_per_second(gbps);
+        NodeNetwork {
+            receive_bytes_per_second: util * link,
+            transmit_bytes_per_second: util * link * 0.1,
+            link_bytes_per_second: Some(link),
+        }
+    }
+
+    /// A history that has seen `signals` for the whole scale-down window.
+    fn settled(
+        policy: &AutoscalingPolicy,
+        fleet: &DecoderFleet,
+        signals: &Signals,
+    ) -> ScaleHistory {
+        let mut h = ScaleHistory::default();
+        for t in (-330..0).step_by(30) {
+            let mut d = decide(policy, fleet, Some(signals), &h, at(t));
+            // Keep the fleet where it is: only the recommendations matter here.
+            d.recommended = fleet.replicas;
+            h.remember(&d, policy, at(t));
+        }
+        h
+    }
+
+    struct Case {
+        name: &'static str,
+        policy: AutoscalingPolicy,
+        fleet: DecoderFleet,
+        signals: Option<Signals>,
+        history: ScaleHistory,
+        replicas: u32,
+        starved: bool,
+        network_saturated: &'static [&'static str],
+        s3_throttled: bool,
+        metrics_unavailable: bool,
+        avoid: &'static [&'static str],
+        moved: &'static [&'static str],
+        reason: &'static str,
+    }
+
+    impl Default for Case {
+        fn default() -> Self {
+            Self {
+                name: "",
+                policy: AutoscalingPolicy::default(),
+                fleet: fleet(8, 8),
+                signals: Some(signals(8, 1.0, 0.3)),
+                history: ScaleHistory::default(),
+                replicas: 8,
+                starved: false,
+                network_saturated: &[],
+                s3_throttled: false,
+                metrics_unavailable: false,
+                avoid: &[],
+                moved: &[],
+                reason: "",
+            }
+        }
+    }
+
+    fn policy() -> AutoscalingPolicy {
+        AutoscalingPolicy {
+            min_replicas: 2,
+            max_replicas: 64,
+            ..AutoscalingPolicy::default()
+        }
+    }
+
+    fn cases() -> Vec<Case> {
+        let p = policy();
+        let starving = signals(8, 1.0, 0.3);
+        let mut with_gpu = starving.clone();
+        with_gpu.gpu_utilization_percent = Some(38.0);
+        let mut throttled = starving.clone();
+        throttled.s3_throttles_per_second = Some(50.0);
+        let mut no_sidecars = starving.clone();
+        no_sidecars.data_wait_share = None;
+        no_sidecars.consumption_per_second = None;
+
+        let mut hot_decoder_node = signals(6, 0.9, 0.02);
+        hot_decoder_node.nodes = BTreeMap::from([
+            ("cpu-0".to_string(), nic(0.3, 25.0)),
+            ("cpu-1".to_string(), nic(0.95, 25.0)),
+            ("cpu-2".to_string(), nic(0.3, 25.0)),
+        ]);
+
+        // 16 decoders only 59% busy while the 10 Gb/s trainer NIC runs at 95%.
+        let mut hot_trainer_node = signals(16, 0.587, 0.3);
+        let delivered = 0.95 * gbps_to_bytes_per_second(10.0) / DECODED;
+        hot_trainer_node.consumption_per_second = Some(delivered);
+        hot_trainer_node.nodes = BTreeMap::from([(GPU_NODE.to_string(), nic(0.95, 10.0))]);
+
+        let quiet = signals(8, 0.55, 0.01);
+        let mut noisy_high = signals(10, 0.85, 0.06);
+        noisy_high.consumption_per_second = Some(1785.0);
+
+        let bigger = fleet(16, 16);
+        let mut after_growth = ScaleHistory::default();
+        after_growth.remember(
+            &decide(
+                &p,
+                &fleet(8, 8),
+                Some(&quiet),
+                &ScaleHistory::default(),
+                at(-30),
+            ),
+            &p,
+            at(-30),
+        );
+        let mut before_shrink = ScaleHistory::default();
+        before_shrink.remember(
+            &decide(
+                &p,
+                &fleet(8, 8),
+                Some(&quiet),
+                &ScaleHistory::default(),
+                at(-30),
+            ),
+            &p,
+            at(-30),
+        );
+
+        vec![
+            Case {
+                name: "starvation: one step to the needed count",
+                replicas: 14,
+                starved: true,
+                reason: "data wait 30% > 5%: need 2,400/s at 210/s per decoder → 14",
+                ..Case::default()
+            },
+            Case {
+                name: "starvation with the GPU metric present decides the same",
+                signals: Some(with_gpu),
+                replicas: 14,
+                starved: true,
+                reason: "need 2,400/s at 210/s per decoder → 14",
+                ..Case::default()
+            },
+            Case {
+                name: "over-provisioned, first look: the scale-down window holds",
+                signals: Some(signals(20, 0.238, 0.01)),
+                fleet: fleet(20, 8),
+                replicas: 20,
+                reason: "scale-down window 300s holds 20",
+                ..Case::default()
+            },
+            Case {
+                name: "over-provisioned for a whole window: down by the step limit",
+                signals: Some(signals(20, 0.238, 0.01)),
+                fleet: fleet(20, 8),
+                history: settled(&p, &fleet(20, 8), &signals(20, 0.238, 0.01)),
+                replicas: 12,
+                reason: "need 1,010/s at 210/s per decoder → 6; step limit → 12",
+                ..Case::default()
+            },
+            Case {
+                name: "noise above the target inside the band: no change",
+                signals: Some(noisy_high),
+                fleet: fleet(10, 8),
+                replicas: 10,
+                starved: true,
+                reason: "within the 10% band of 10",
+                ..Case::default()
+            },
+            Case {
+                name: "noise below the target inside the band: no change",
+                signals: Some(signals(10, 0.7, 0.01)),
+                fleet: fleet(10, 8),
+                history: settled(&p, &fleet(10, 8), &signals(10, 0.7, 0.01)),
+                replicas: 10,
+                reason: "within the 10% band of 10",
+                ..Case::default()
+            },
+            Case {
+                name: "a decoder node's NIC above the limit: avoid it, move decoders off",
+                signals: Some(hot_decoder_node),
+                fleet: fleet(6, 8),
+                replicas: 6,
+                avoid: &["cpu-1"],
+                moved: &["decoder-04"],
+                reason: "node cpu-1 NIC 95% > 80%: moving 1 of 2 decoders",
+                ..Case::default()
+            },
+            Case {
+                name: "the trainer node's NIC is the bottleneck: no scale-up, local decode",
+                signals: Some(hot_trainer_node),
+                fleet: fleet(16, 8),
+                replicas: 16,
+                starved: true,
+                network_saturated: &[GPU_NODE],
+                avoid: &[GPU_NODE],
+                reason: "trainer node gpu-1 NIC above 80%: more decoders cannot help; local decode 49%",
+                ..Case::default()
+            },
+            Case {
+                name: "S3 throttling: no scale-up",
+                signals: Some(throttled),
+                replicas: 8,
+                starved: true,
+                s3_throttled: true,
+                reason: "S3 throttles 5% of requests > 1%: not scaling up",
+                ..Case::default()
+            },
+            Case {
+                name: "Prometheus unreachable: keep the size",
+                signals: None,
+                replicas: 8,
+                metrics_unavailable: true,
+                reason: "Prometheus unreachable: keeping 8 decoders",
+                ..Case::default()
+            },
+            Case {
+                name: "no sidecar series: keep the size",
+                signals: Some(no_sidecars),
+                replicas: 8,
+                metrics_unavailable: true,
+                reason: "no data-wait or delivery series from 8 trainers",
+                ..Case::default()
+            },
+            Case {
+                name: "trainers 8 → 16: follow demand before any starvation",
+                signals: Some(quiet.clone()),
+                fleet: fleet(8, 16),
+                history: after_growth,
+                replicas: 11,
+                reason: "trainers 8 → 16: need 1,867/s at 210/s per decoder → 11",
+                ..Case::default()
+            },
+            Case {
+                name: "trainers 16 → 8: follow without the scale-down window",
+                signals: Some(signals(16, 0.55, 0.01)),
+                fleet: DecoderFleet {
+                    trainers: 4,
+                    trainer_nodes: BTreeMap::from([(GPU_NODE.to_string(), 4)]),
+                    ..bigger
+                },
+                history: before_shrink,
+                replicas: 8,
+                reason: "trainers 8 → 4: need 467/s at 210/s per decoder → 3; step limit → 8",
+                ..Case::default()
+            },
+            Case {
+                name: "demand beyond maxReplicas",
+                policy: AutoscalingPolicy {
+                    max_replicas: 12,
+                    ..policy()
+                },
+                replicas: 12,
+                starved: true,
+                reason: "→ 14; maxReplicas 12",
+                ..Case::default()
+            },
+            Case {
+                name: "no trainers: minReplicas once the window agrees",
+                fleet: fleet(4, 0),
+                signals: Some(Signals::default()),
+                history: settled(&p, &fleet(4, 0), &Signals::default()),
+                replicas: 2,
+                reason: "no trainers: 2 decoders",
+                ..Case::default()
+            },
+            Case {
+                name: "recommend mode: the fleet keeps minReplicas",
+                policy: AutoscalingPolicy {
+                    mode: AutoscalingMode::Recommend,
+                    ..policy()
+                },
+                replicas: 2,
+                starved: true,
+                reason: "recommend only: data wait 30% > 5%",
+                ..Case::default()
+            },
+            Case {
+                name: "off: the fixed count",
+                policy: AutoscalingPolicy {
+                    mode: AutoscalingMode::Off,
+                    fixed_replicas: Some(5),
+                    ..policy()
+                },
+                replicas: 5,
+                reason: "autoscaling off: 5 decoders",
+                ..Case::default()
+            },
+        ]
+    }
+
+    #[test]
+    fn policy_table() {
+        for case in cases() {
+            let policy = if case.policy == AutoscalingPolicy::default() {
+                policy()
+            } else {
+                case.policy.clone()
+            };
+            let d = decide(
+                &policy,
+                &case.fleet,
+                case.signals.as_ref(),
+                &case.history,
+                at(0),
+            );
+            let name = case.name;
+            assert_eq!(d.replicas, case.replicas, "{name}: {}", d.reason);
+            assert_eq!(
+                d.conditions.starved, case.starved,
+                "{name}: starved; {}",
+                d.reason
+            );
+            assert_eq!(
+                d.conditions.network_saturated, case.network_saturated,
+                "{name}"
+            );
+            assert_eq!(
+                d.conditions.s3_throttled, case.s3_throttled,
+                "{name}: {}",
+                d.reason
+            );
+            assert_eq!(
+                d.conditions.metrics_unavailable, case.metrics_unavailable,
+                "{name}"
+            );
+            assert_eq!(d.avoid_nodes, case.avoid, "{name}");
+            assert_eq!(d.move_pods, case.moved, "{name}");
+            assert!(
+                d.reason.contains(case.reason),
+                "{name}: reason {:?}",
+                d.reason
+            );
+        }
+    }
+
+    #[test]
+    fn missing_gpu_metric_is_not_an_error() {
+        let d = decide(
+            &policy(),
+            &fleet(8, 8),
+            Some(&signals(8, 1.0, 0.3)),
+            &ScaleHistory::default(),
+            at(0),
+        );
+        assert!(!d.conditions.metrics_unavailable);
+        assert_eq!(d.observed.gpu_utilization_percent, None);
+        assert_eq!(d.observed.data_wait_percent, Some(30.0));
+    }
+
+    #[test]
+    fn local_decode_share_relieves_the_trainer_nic_to_its_limit() {
+        let mut s = signals(16, 0.587, 0.3);
+        let link = gbps_to_bytes_per_second(10.0);
+        s.consumption_per_second = Some(0.95 * link / DECODED);
+        s.nodes = BTreeMap::from([(GPU_NODE.to_string(), nic(0.95, 10.0))]);
+        let d = decide(
+            &policy(),
+            &fleet(16, 8),
+            Some(&s),
+            &ScaleHistory::default(),
+            at(0),
+        );
+        let demand = 0.95 * link / DECODED / 0.7;
+        let wire =
+            demand * ((1.0 - d.local_decode_share) * DECODED + d.local_decode_share * ENCODED);
+        assert!(
+            (wire / link - 0.8).abs() < 0.01,
+            "NIC after the shift: {}",
+            wire / link
+        );
+    }
+
+    #[test]
+    fn an_outage_restarts_the_scale_down_window() {
+        let p = policy();
+        let f = fleet(20, 8);
+        let over = signals(20, 0.238, 0.01);
+        let mut h = settled(&p, &f, &over);
+        let d = decide(&p, &f, None, &h, at(0));
+        h.remember(&d, &p, at(0));
+        let d = decide(&p, &f, Some(&over), &h, at(30));
+        assert_eq!(d.replicas, 20, "{}", d.reason);
+    }
+
+    #[test]
+    fn reasons_read_as_numbers() {
+        assert_eq!(count(2400.4), "2,400");
+        assert_eq!(count(1_234_567.0), "1,234,567");
+        assert_eq!(count(210.0), "210");
+        assert_eq!(pct(0.22), "22%");
+        assert_eq!(pct(0.018), "1.8%");
+        assert_eq!(pct(0.05), "5%");
+    }
 }
