@@ -811,7 +811,7 @@ mod tests {
         fn default() -> Self {
             Self {
                 name: "",
-                policy: AutoscalingPolicy::default(),
+                policy: policy(),
                 fleet: fleet(8, 8),
                 signals: Some(signals(8, 1.0, 0.3)),
                 history: ScaleHistory::default(),
@@ -1056,13 +1056,8 @@ mod tests {
     #[test]
     fn policy_table() {
         for case in cases() {
-            let policy = if case.policy == AutoscalingPolicy::default() {
-                policy()
-            } else {
-                case.policy.clone()
-            };
             let d = decide(
-                &policy,
+                &case.policy,
                 &case.fleet,
                 case.signals.as_ref(),
                 &case.history,
