@@ -2,7 +2,7 @@
 
 (a) mixed: >= 1,000 distinct photos of 500x375 .. 1600x1200 (random crops, flips, scales and
     tone shifts of the samples), ~90% JPEG, 6% PNG, 4% WebP.
-(b) imagenet: ImageNet-sized JPEGs (500x375, 500x333, 375x500, 500x500, ... at quality 90).
+(b) imagenet: ImageNet-sized JPEGs (500x375, 500x333, 375x500, 500x500, ... at quality 95, ~110 KB each like ImageNet).
 
 Files are written straight under ROOT/BUCKET/, which the s3s-fs test server serves as objects.
 """
@@ -41,7 +41,7 @@ def load_photos():
     return out
 
 
-def variant(rng, photo, w, h):
+def variant(rng, photo, w, h, noise):
     """A distinct image of w x h cut from photo."""
     pw, ph = photo.size
     aspect = w / h
@@ -59,7 +59,7 @@ def variant(rng, photo, w, h):
     img = ImageEnhance.Color(img).enhance(rng.uniform(0.7, 1.3))
     # Sensor-like noise keeps JPEG sizes near real photographs instead of smooth upscales.
     arr = np.asarray(img).astype(np.int16)
-    arr += np.random.default_rng(rng.randrange(1 << 30)).normal(0, 2.5, arr.shape).astype(np.int16)
+    arr += np.random.default_rng(rng.randrange(1 << 30)).normal(0, noise, arr.shape).astype(np.int16)
     return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
 
 
@@ -82,8 +82,13 @@ def main():
     ap.add_argument("--set", choices=["mixed", "imagenet"], required=True)
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--quality", type=int, default=95, help="JPEG quality of the imagenet set")
+    ap.add_argument("--noise", type=float, default=None,
+                    help="sensor-noise sigma; defaults give ~220 KB per mixed photo and "
+                         "~110 KB per ImageNet-sized JPEG, as in the real sets")
     args = ap.parse_args()
     rng = random.Random(args.seed)
+    noise = args.noise if args.noise is not None else (2.5 if args.set == "mixed" else 10.0)
     photos = load_photos()
     out_dir = os.path.join(args.root, args.set)
     os.makedirs(out_dir, exist_ok=True)
@@ -100,8 +105,8 @@ def main():
             quality = rng.randint(80, 95)
         else:
             w, h = rng.choice([(500, 375), (500, 333), (375, 500), (500, 500), (500, 400), (333, 500), (400, 300)])
-            fmt, quality = "jpg", 90
-        total += write(os.path.join(out_dir, f"{i:05d}.{fmt}"), variant(rng, photo, w, h), fmt, quality)
+            fmt, quality = "jpg", args.quality
+        total += write(os.path.join(out_dir, f"{i:05d}.{fmt}"), variant(rng, photo, w, h, noise), fmt, quality)
     print(f"{args.set}: {args.count} files, {total / args.count / 1e3:.0f} KB average, in {out_dir}")
 
 

@@ -193,6 +193,12 @@ impl DecodeService for DecodeWorker {
             }
         }
         metrics.bytes_out.inc_by(batch.pixels.len() as u64);
+        // Decode and resize run interleaved in one parallel pass: split its wall time by
+        // their CPU shares.
+        let cpu = (tm.decode_cpu + tm.resize_cpu).as_secs_f64();
+        let resize_share = if cpu > 0.0 { tm.resize_cpu.as_secs_f64() / cpu } else { 0.0 };
+        let resize_wall = tm.decode_wall.mul_f64(resize_share);
+        let decode_wall = tm.decode_wall.saturating_sub(resize_wall);
         let decoded = batch.decoded_count().max(1) as u32;
         metrics.observe_stage("decode", tm.decode_cpu / decoded);
         metrics.observe_stage("resize", tm.resize_cpu / decoded);
@@ -211,8 +217,8 @@ impl DecodeService for DecodeWorker {
             timings: Some(proto::StageTimings {
                 queue_us: queue_wait.as_micros() as u64,
                 get_us,
-                decode_us: tm.decode_wall.as_micros() as u64,
-                resize_us: 0,
+                decode_us: decode_wall.as_micros() as u64,
+                resize_us: resize_wall.as_micros() as u64,
                 pack_us: pack.as_micros() as u64,
                 total_us: total.as_micros() as u64,
                 decode_cpu_us: tm.decode_cpu.as_micros() as u64,
