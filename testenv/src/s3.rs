@@ -96,12 +96,21 @@ impl S3Server {
     }
 
     pub fn start_with(config: S3ServerConfig) -> anyhow::Result<Self> {
+        let std_listener = std::net::TcpListener::bind((config.host.as_str(), config.port))
+            .with_context(|| format!("binding {}:{}", config.host, config.port))?;
+        Self::start_on(config, std_listener)
+    }
+
+    /// Serves on a listener the caller bound, e.g. inside a network namespace (the node
+    /// runtime's S3 namespace); `config.host` and `config.port` are not used.
+    pub fn start_on(
+        config: S3ServerConfig,
+        std_listener: std::net::TcpListener,
+    ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(&config.root)
             .with_context(|| format!("creating S3 root {}", config.root.display()))?;
         let service = build_service(&config)?;
         let faults = Arc::new(Faults::default());
-        let std_listener = std::net::TcpListener::bind((config.host.as_str(), config.port))
-            .with_context(|| format!("binding {}:{}", config.host, config.port))?;
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();

@@ -1,0 +1,367 @@
+//! The node runtime runs pods bound to simulated nodes as local processes in per-node network
+//! namespaces with rate-limited NICs, and a real Prometheus scrapes them. Needs root.
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, PostParams};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::prometheus::{Prometheus, PrometheusOptions};
+use stoker_testenv::runtime::{ImageMapping, NodeRuntime, RuntimeOptions};
+
+/// Image whose containers run their own `command` on this machine.
+const HOST_IMAGE: &str = "stoker.test/host-command:1";
+/// The node whose NIC the rate test limits, and its limit.
+const SLOW_NODE: &str = "cpu-2";
+const SLOW_MBIT: u32 = 80;
+
+/// A stand-in for `stoker-loader` (building the real one is another crate's job): serves a
+/// `/metrics` file on `$STOKER_HTTP_ADDR`, which the runtime sets to the pod IP.
+fn fake_loader() -> PathBuf {
+    let dir = std::env::temp_dir().join("stoker-runtime-test");
+    std::fs::create_dir_all(dir.join("www")).unwrap();
+    std::fs::write(
+        dir.join("www/metrics"),
+        "# TYPE stoker_fake_loader_up gauge\nstoker_fake_loader_up 1\n",
+    )
+    .unwrap();
+    let script = dir.join("stoker-loader");
+    let tmp = dir.join(format!("stoker-loader.{}", std::process::id()));
+    std::fs::write(
+        &tmp,
+        format!(
+            "#!/bin/sh\nexec /usr/bin/python3 -m http.server --bind \"$POD_IP\" --directory {} \"${{STOKER_HTTP_ADDR##*:}}\"\n",
+            dir.join("www").display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&tmp, &script).unwrap();
+    script
+}
+
+fn runtime() -> &'static NodeRuntime {
+    NodeRuntime::shared(|| RuntimeOptions {
+        loader_bin: fake_loader(),
+        images: vec![ImageMapping::host_command(HOST_IMAGE)],
+        nic_mbit: BTreeMap::from([(SLOW_NODE.to_string(), SLOW_MBIT)]),
+        max_grace: Duration::from_secs(5),
+        ..RuntimeOptions::default()
+    })
+}
+
+async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// A plain HTTP/1.0 GET: (status, body).
+fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    use std::io::Write;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+fn pod_ip(pod: &Pod) -> Option<Ipv4Addr> {
+    pod.status.as_ref()?.pod_ip.as_deref()?.parse().ok()
+}
+
+fn netns_pids(netns: &str) -> Vec<String> {
+    let out = Command::new("ip")
+        .args(["netns", "pids", netns])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// A counter from node-exporter text.
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in:\n{text}"))
+}
+
+fn node_counters(rt: &NodeRuntime, node: &str) -> (u64, u64) {
+    let url = rt.node_metrics_url(node);
+    let rest = url.strip_prefix("http://").unwrap();
+    let (addr, path) = rest.split_at(rest.find('/').unwrap());
+    let (status, body) = http_get(addr.parse().unwrap(), path).unwrap();
+    assert_eq!(status, 200, "{url}: {body}");
+    (
+        metric(&body, "node_network_receive_bytes_total{device=\"eth0\"}"),
+        metric(&body, "node_network_transmit_bytes_total{device=\"eth0\"}"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_runs_in_its_nodes_namespace_at_its_pod_ip_until_deleted() {
+    let rt = runtime();
+    let ns = ControlPlane::shared().namespace("rt-pod").await;
+    let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    let kubectl = ns.cluster().bin_dir().join("kubectl");
+    // The container asks the API server (through the node namespace's proxy) for its node,
+    // writes the answer into an emptyDir, and serves that directory on its pod IP.
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "web"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": "cpu-0"},
+            "containers": [{
+                "name": "web", "image": HOST_IMAGE,
+                "command": ["sh", "-c",
+                    "\"$KUBECTL\" get node \"$NODE\" -o name > \"$OUT/api.txt\" 2>&1; cd \"$OUT\" && exec /usr/bin/python3 -m http.server --bind \"$POD_IP\" 8080"],
+                "env": [
+                    {"name": "KUBECTL", "value": kubectl.display().to_string()},
+                    {"name": "OUT", "value": "/out"},
+                    {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                ],
+                "volumeMounts": [{"name": "out", "mountPath": "/out"}],
+            }],
+            "volumes": [{"name": "out", "emptyDir": {}}],
+            "terminationGracePeriodSeconds": 5,
+        }
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+
+    let ip = eventually("pod IP", Duration::from_secs(60), || async {
+        pods.get("web").await.ok().as_ref().and_then(pod_ip)
+    })
+    .await;
+    let node_ip = rt.node_ip("cpu-0").unwrap();
+    assert_eq!(
+        ip.octets()[..3],
+        node_ip.octets()[..3],
+        "pod IP {ip} is from cpu-0's pod CIDR ({node_ip}/24)"
+    );
+    let netns = rt.netns("cpu-0").unwrap();
+    let addrs = Command::new("ip")
+        .args([
+            "netns", "exec", &netns, "ip", "-o", "addr", "show", "dev", "eth0",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&addrs.stdout).contains(&format!("{ip}/32")),
+        "{ip} is an address inside {netns}"
+    );
+
+    let addr = SocketAddr::from((ip, 8080));
+    let answer = eventually(
+        "the pod's server, from the root namespace",
+        Duration::from_secs(60),
+        || async { http_get(addr, "/api.txt").ok().filter(|(s, _)| *s == 200) },
+    )
+    .await;
+    assert_eq!(
+        answer.1.trim(),
+        "node/cpu-0",
+        "the pod reached the API server from inside its node's namespace\n{}",
+        rt.container_log(&ns.name, "web", "web")
+    );
+    assert!(
+        !netns_pids(&netns).is_empty(),
+        "the process runs in {netns}"
+    );
+
+    pods.delete("web", &DeleteParams::default()).await.unwrap();
+    eventually(
+        "the pod's processes to stop",
+        Duration::from_secs(30),
+        || async { netns_pids(&netns).is_empty().then_some(()) },
+    )
+    .await;
+    assert!(
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err(),
+        "nothing listens on {addr} after the pod is gone"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b_a_nodes_nic_limit_holds_and_its_counters_count_the_bytes() {
+    let rt = runtime();
+    let to = "cpu-3";
+    assert_eq!(rt.nic_mbit(SLOW_NODE).unwrap(), SLOW_MBIT);
+    let to_ip = rt.node_ip(to).unwrap();
+    let listener = rt.bind(to, SocketAddr::from((to_ip, 5001))).unwrap();
+    const BYTES: usize = 12_000_000;
+    let receiver = std::thread::spawn(move || {
+        let (mut socket, _) = listener.accept().unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut total = 0usize;
+        let mut first = None;
+        loop {
+            let n = socket.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            first.get_or_insert_with(Instant::now);
+            total += n;
+        }
+        (total, first.unwrap().elapsed())
+    });
+    let before_from = node_counters(rt, SLOW_NODE);
+    let before_to = node_counters(rt, to);
+    let sender = Command::new("timeout")
+        .args(["60", "ip", "netns", "exec", &rt.netns(SLOW_NODE).unwrap()])
+        .args([
+            "/usr/bin/python3",
+            "-c",
+            &format!(
+                "import socket; s = socket.create_connection(('{to_ip}', 5001)); s.sendall(bytes({BYTES})); s.close()"
+            ),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        sender.status.success(),
+        "sender: {}",
+        String::from_utf8_lossy(&sender.stderr)
+    );
+    let (received, elapsed) = receiver.join().unwrap();
+    assert_eq!(received, BYTES);
+    let mbit = received as f64 * 8.0 / elapsed.as_secs_f64() / 1e6;
+    eprintln!(
+        "{SLOW_NODE} -> {to}: {received} bytes in {elapsed:?} = {mbit:.1} Mbit/s (limit {SLOW_MBIT})"
+    );
+    let limit = f64::from(SLOW_MBIT);
+    assert!(
+        (limit * 0.7..=limit * 1.3).contains(&mbit),
+        "{mbit:.1} Mbit/s is not within 30% of the {SLOW_MBIT} Mbit/s limit"
+    );
+
+    let after_from = node_counters(rt, SLOW_NODE);
+    let after_to = node_counters(rt, to);
+    let sent = after_from.1 - before_from.1;
+    let got = after_to.0 - before_to.0;
+    eprintln!("node exporter: {SLOW_NODE} transmitted {sent} bytes, {to} received {got} bytes");
+    let payload = BYTES as u64;
+    // TCP/IP headers add a few percent; ACKs flow the other way.
+    assert!(
+        (payload..payload * 11 / 10).contains(&sent),
+        "{SLOW_NODE} transmit counter grew by {sent}, payload {payload}"
+    );
+    assert!(
+        (payload..payload * 11 / 10).contains(&got),
+        "{to} receive counter grew by {got}, payload {payload}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
+    let rt = runtime();
+    let prometheus = Prometheus::shared(|| PrometheusOptions::new(rt.sd_dir()));
+    let ns = ControlPlane::shared().namespace("rt-prom").await;
+    let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "decoder-0",
+                     "labels": {"stoker.dev/role": "decoder", "stoker.dev/pipeline": "p1"}},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": "cpu-4"},
+            "containers": [{
+                "name": "decoder", "image": "ghcr.io/stoker-dev/stoker-loader:test",
+                "args": ["decode", "--metrics", "0.0.0.0:9090"],
+                "ports": [{"name": "metrics", "containerPort": 9090}],
+            }],
+            "terminationGracePeriodSeconds": 5,
+        }
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+
+    let nic = eventually(
+        "Prometheus to have cpu-4's NIC counter",
+        Duration::from_secs(60),
+        || async {
+            prometheus
+                .query("node_network_transmit_bytes_total{job=\"node-exporter\",node=\"cpu-4\",device=\"eth0\"}")
+                .ok()
+                .filter(|r| r.len() == 1)
+        },
+    )
+    .await;
+    let scraped: f64 = nic[0]["value"][1].as_str().unwrap().parse().unwrap();
+    let (_, now) = node_counters(rt, "cpu-4");
+    assert!(scraped <= now as f64, "scraped {scraped} <= current {now}");
+    let all_nodes = prometheus
+        .query("count(node_network_speed_bytes{job=\"node-exporter\"})")
+        .unwrap();
+    assert_eq!(
+        all_nodes[0]["value"][1].as_str().unwrap(),
+        rt.node_names().len().to_string(),
+        "one NIC exporter per node"
+    );
+    let slow = prometheus
+        .query(&format!("node_network_speed_bytes{{node=\"{SLOW_NODE}\"}}"))
+        .unwrap();
+    assert_eq!(
+        slow[0]["value"][1].as_str().unwrap(),
+        (u64::from(SLOW_MBIT) * 1_000_000 / 8).to_string()
+    );
+
+    let query = format!(
+        "stoker_fake_loader_up{{job=\"stoker-loaders\",namespace=\"{}\",pod=\"decoder-0\",node=\"cpu-4\",role=\"decoder\",pipeline=\"p1\"}}",
+        ns.name
+    );
+    eventually(
+        "Prometheus to scrape the loader pod",
+        Duration::from_secs(60),
+        || async { prometheus.query(&query).ok().filter(|r| r.len() == 1) },
+    )
+    .await;
+
+    pods.delete("decoder-0", &DeleteParams::default())
+        .await
+        .unwrap();
+    let sd = rt.sd_dir().join("loaders.json");
+    eventually(
+        "the loader target to leave file_sd",
+        Duration::from_secs(30),
+        || async {
+            let text = std::fs::read_to_string(&sd).unwrap_or_default();
+            (!text.contains("decoder-0")).then_some(())
+        },
+    )
+    .await;
+}
