@@ -112,14 +112,13 @@ impl SidecarProc {
     }
 }
 
-/// Starts a sidecar over the `data` bucket with 64 x 48 crops; `extra` adds or overrides flags.
+/// Starts a sidecar over the `data` bucket; `extra` adds flags or replaces the defaults.
 pub fn sidecar(server: &S3Server, dir: &Path, workers: &[&DecodeWorkerProc], extra: &[&str]) -> SidecarProc {
     let shm = dir.join(format!("shm-{}", fastrand_suffix()));
     std::fs::create_dir_all(&shm).expect("shm dir");
     let socket = shm.join("stoker.sock");
     let mut cmd = Command::new(BIN);
     cmd.args(["sidecar", "--bucket", BUCKET, "--http-addr", "127.0.0.1:0"])
-        .args(["--width", "64", "--height", "48"])
         .arg("--shm-dir")
         .arg(&shm)
         .arg("--socket")
@@ -129,8 +128,11 @@ pub fn sidecar(server: &S3Server, dir: &Path, workers: &[&DecodeWorkerProc], ext
         let list: Vec<&str> = workers.iter().map(|w| w.grpc.as_str()).collect();
         cmd.arg("--workers").arg(list.join(","));
     }
-    if !extra.contains(&"--batch-size") {
-        cmd.args(["--batch-size", "4"]);
+    // Defaults for flags the test does not set: 64 x 48 crops, batches of 4.
+    for (flag, value) in [("--batch-size", "4"), ("--width", "64"), ("--height", "48")] {
+        if !extra.contains(&flag) {
+            cmd.args([flag, value]);
+        }
     }
     cmd.args(extra);
     s3_flags(&mut cmd, server);
