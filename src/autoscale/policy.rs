@@ -90,6 +90,8 @@ pub struct ScaleHistory {
     per_trainer_demand: Option<f64>,
     trainers: Option<u32>,
     trainer_change_at: Option<Timestamp>,
+    /// Node → when decoders were last moved off it.
+    moved_at: BTreeMap<String, Timestamp>,
     local_decode_share: f64,
     /// In recommend mode the fleet does not follow, so "current" is the last recommendation.
     last_recommended: Option<u32>,
@@ -128,6 +130,11 @@ impl ScaleHistory {
             self.per_trainer_demand = decision.learned.per_trainer_demand;
         }
         self.trainer_change_at = decision.learned.trainer_change_at;
+        let settle = settle_seconds(policy);
+        self.moved_at.retain(|_, t| elapsed(*t, now) < settle);
+        for node in &decision.learned.moved_from {
+            self.moved_at.insert(node.clone(), now);
+        }
         self.trainers = Some(decision.learned.trainers);
         self.local_decode_share = decision.local_decode_share;
         self.last_recommended = Some(decision.recommended);
@@ -173,6 +180,8 @@ pub struct Learned {
     pub per_trainer_demand: Option<f64>,
     pub trainers: u32,
     pub trainer_change_at: Option<Timestamp>,
+    /// Nodes decoders were moved off in this decision.
+    pub moved_from: Vec<String>,
 }
 
 /// One decision of the autoscaler for one pipeline.
@@ -264,7 +273,7 @@ pub fn decide(
         return finish(policy, d);
     };
     observe(&mut d, policy, fleet, s);
-    let placement = place(&mut d, policy, fleet, s);
+    let placement = place(&mut d, policy, fleet, s, history, now);
 
     if fleet.trainers == 0 {
         d.local_decode_share = 0.0;
@@ -297,7 +306,7 @@ pub fn decide(
     let following = history.per_trainer_demand.is_some()
         && d.learned
             .trainer_change_at
-            .is_some_and(|t| elapsed(t, now) < 2.0 * policy.window.as_secs_f64());
+            .is_some_and(|t| elapsed(t, now) < settle_seconds(policy));
     let demand = match history.per_trainer_demand {
         Some(per) if following => per * f64::from(fleet.trainers),
         _ => measured_demand,
@@ -318,8 +327,6 @@ pub fn decide(
     d.observed.decoder_busy_percent = busy_share.map(|b| b * 100.0);
     let rate = d.learned.decoder_rate;
     d.observed.decoder_samples_per_second = rate;
-    let needed = rate.map(|r| ceil_count(demand * policy.headroom / r));
-    d.needed = needed;
 
     let throttle_share = match (s.s3_throttles_per_second, s.s3_requests_per_second) {
         (Some(t), Some(r)) if r > 0.0 => Some(t / r),
@@ -338,6 +345,10 @@ pub fn decide(
         consumption,
         starved,
     );
+    // Decoders serve only what the sidecars do not decode themselves.
+    let network_demand = demand * (1.0 - d.local_decode_share);
+    let needed = rate.map(|r| ceil_count(network_demand * policy.headroom / r));
+    d.needed = needed;
 
     let wait_text = if starved {
         format!("data wait {} > {}", pct(wait), pct(policy.target_data_wait))
@@ -347,7 +358,7 @@ pub fn decide(
     let need_text = |n: u32, r: f64| {
         format!(
             "need {}/s at {}/s per decoder → {n}",
-            count(demand),
+            count(network_demand),
             count(r)
         )
     };
@@ -565,6 +576,8 @@ fn place(
     policy: &AutoscalingPolicy,
     fleet: &DecoderFleet,
     s: &Signals,
+    history: &ScaleHistory,
+    now: Timestamp,
 ) -> Vec<String> {
     let limit = policy.max_nic_utilization;
     let mut on_node: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
@@ -584,6 +597,21 @@ fn place(
         let Some(pods) = on_node.get(node.as_str()) else {
             continue;
         };
+        // The window still holds traffic of the decoders moved last time: wait until it
+        // shows the node without them, or every look would move more.
+        let cooling = history
+            .moved_at
+            .get(node)
+            .is_some_and(|t| elapsed(*t, now) < settle_seconds(policy));
+        if cooling {
+            notes.push(format!(
+                "node {node} NIC {} > {}: waiting for the last move to show",
+                pct(util),
+                pct(limit)
+            ));
+            continue;
+        }
+        d.learned.moved_from.push(node.clone());
         let n = pods.len();
         let k = ((n as f64) * (1.0 - limit / util))
             .ceil()
@@ -609,7 +637,8 @@ fn append_notes(reason: &mut String, notes: &[String]) {
 }
 
 /// Trainer nodes whose NIC limits delivery, and the local-decode share that relieves them.
-/// Returns the first saturated node, if any.
+/// The condition lists them while local decode relieves them too; the returned node (the
+/// first starving one) blocks scale-up.
 #[allow(clippy::too_many_arguments)]
 fn trainer_network(
     d: &mut ScaleDecision,
@@ -626,6 +655,7 @@ fn trainer_network(
     let previous = history.local_decode_share;
     let mut share: f64 = 0.0;
     let mut saturated = Vec::new();
+    let mut relieved = Vec::new();
     for (node, trainers) in &fleet.trainer_nodes {
         let (Some(nic), Some(link)) = (s.nodes.get(node), link_of(policy, fleet, s, node)) else {
             continue;
@@ -658,6 +688,10 @@ fn trainer_network(
                 1.0 - capacity / (node_demand * per_sample)
             }
         };
+        if !hot && needed > 0.0 {
+            // Relieved by local decode, still the bottleneck without it.
+            relieved.push(node.clone());
+        }
         share = share.max(needed);
     }
     let mut share = share.clamp(0.0, policy.max_local_decode_share);
@@ -665,8 +699,17 @@ fn trainer_network(
         share = previous;
     }
     d.local_decode_share = share;
-    d.conditions.network_saturated = saturated.clone();
-    saturated.into_iter().next()
+    let blocking = saturated.first().cloned();
+    saturated.extend(relieved);
+    saturated.sort();
+    d.conditions.network_saturated = saturated;
+    blocking
+}
+
+/// How long after a change the window holds only samples from after it: rate() lags by up
+/// to a window, and scrapes and evaluation add up to about another.
+fn settle_seconds(policy: &AutoscalingPolicy) -> f64 {
+    2.0 * policy.window.as_secs_f64()
 }
 
 fn elapsed(since: Timestamp, now: Timestamp) -> f64 {

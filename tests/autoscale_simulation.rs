@@ -1,0 +1,625 @@
+//! The autoscaler in a closed loop with a simulated cluster: trainers with a step time and a
+//! batch size, decoders with a per-pod rate and a start-up delay, nodes with NIC capacity, an
+//! S3 request limit, and a Prometheus that answers rates over a window, late and noisy
+//! (seeded). Deterministic: one second per tick, one decision every 30 seconds.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use k8s_openapi::jiff::Timestamp;
+use stoker_operator::autoscale::signals::gbps_to_bytes_per_second;
+use stoker_operator::autoscale::{
+    Autoscaler, AutoscalingPolicy, DecoderFleet, DecoderSignal, NodeNetwork, ScaleDecision, Signals,
+};
+
+/// 448×448 RGB crossing the network, and the JPEG it came from.
+const DECODED: f64 = 602_112.0;
+const ENCODED: f64 = 100_000.0;
+/// Samples per second one decoder manages at full busy.
+const DECODER_RATE: f64 = 210.0;
+const PERIOD: u64 = 30;
+/// Scrape interval plus evaluation: the newest sample a query sees.
+const DELAY: u64 = 10;
+const STARTUP: u64 = 10;
+const TRAINER_NODE: &str = "gpu-1";
+
+/// SplitMix64: a seeded, dependency-free source of measurement noise.
+struct Noise {
+    state: u64,
+    amplitude: f64,
+}
+
+impl Noise {
+    /// A factor in [1 − amplitude, 1 + amplitude].
+    fn factor(&mut self) -> f64 {
+        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
+        1.0 + self.amplitude * (2.0 * unit - 1.0)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Decoder {
+    name: String,
+    node: String,
+    ready_at: u64,
+}
+
+/// What the cluster did in one second.
+#[derive(Clone, Debug, Default)]
+struct Tick {
+    demand: f64,
+    consumption: f64,
+    wait: f64,
+    /// Pod → (samples handled, busy share).
+    pods: BTreeMap<String, (f64, f64)>,
+    /// Node → (receive, transmit) bytes.
+    nics: BTreeMap<String, (f64, f64)>,
+    s3_requests: f64,
+    s3_throttles: f64,
+}
+
+struct World {
+    t: u64,
+    trainers: u32,
+    /// Unstarved samples per second of one trainer: batch size ÷ step time.
+    per_trainer: f64,
+    /// CPU node → link bytes per second.
+    cpu_nodes: BTreeMap<String, f64>,
+    trainer_link: f64,
+    /// Requests per second above which S3 answers SlowDown.
+    s3_limit: Option<f64>,
+    decoders: Vec<Decoder>,
+    next_pod: usize,
+    local_share: f64,
+    ticks: Vec<Tick>,
+    noise: Noise,
+}
+
+impl World {
+    fn new(trainers: u32, batch: f64, step_seconds: f64, decoders: usize) -> Self {
+        let mut w = Self {
+            t: 0,
+            trainers,
+            per_trainer: batch / step_seconds,
+            cpu_nodes: (0..4)
+                .map(|i| (format!("cpu-{i}"), gbps_to_bytes_per_second(25.0)))
+                .collect(),
+            trainer_link: gbps_to_bytes_per_second(100.0),
+            s3_limit: None,
+            decoders: Vec::new(),
+            next_pod: 0,
+            local_share: 0.0,
+            ticks: Vec::new(),
+            noise: Noise {
+                state: 42,
+                amplitude: 0.0,
+            },
+        };
+        for _ in 0..decoders {
+            w.add_decoder(&[], 0);
+        }
+        w
+    }
+
+    fn demand(&self) -> f64 {
+        f64::from(self.trainers) * self.per_trainer
+    }
+
+    fn add_decoder(&mut self, avoid: &[String], ready_at: u64) {
+        let mut load: BTreeMap<&str, usize> =
+            self.cpu_nodes.keys().map(|n| (n.as_str(), 0)).collect();
+        for d in &self.decoders {
+            *load.entry(d.node.as_str()).or_default() += 1;
+        }
+        let allowed: Vec<(&str, usize)> = load
+            .iter()
+            .filter(|(n, _)| !avoid.iter().any(|a| a == *n))
+            .map(|(n, c)| (*n, *c))
+            .collect();
+        let pool = if allowed.is_empty() {
+            load.iter().map(|(n, c)| (*n, *c)).collect()
+        } else {
+            allowed
+        };
+        let node = pool
+            .iter()
+            .min_by_key(|(n, c)| (*c, *n))
+            .map(|(n, _)| n.to_string())
+            .unwrap_or_default();
+        self.decoders.push(Decoder {
+            name: format!("decoder-{:03}", self.next_pod),
+            node,
+            ready_at,
+        });
+        self.next_pod += 1;
+    }
+
+    /// Scale-down drains the newest pod of the most crowded node.
+    fn remove_decoder(&mut self) {
+        let mut load: BTreeMap<&str, usize> = BTreeMap::new();
+        for d in &self.decoders {
+            *load.entry(d.node.as_str()).or_default() += 1;
+        }
+        let Some(node) = load
+            .iter()
+            .max_by_key(|(n, c)| (**c, std::cmp::Reverse(**n)))
+            .map(|(n, _)| n.to_string())
+        else {
+            return;
+        };
+        if let Some(i) = self.decoders.iter().rposition(|d| d.node == node) {
+            self.decoders.remove(i);
+        }
+    }
+
+    fn apply(&mut self, d: &ScaleDecision) {
+        for pod in &d.move_pods {
+            if let Some(i) = self.decoders.iter().position(|x| &x.name == pod) {
+                self.decoders.remove(i);
+                self.add_decoder(&d.avoid_nodes, self.t + STARTUP);
+            }
+        }
+        while self.decoders.len() < d.replicas as usize {
+            self.add_decoder(&d.avoid_nodes, self.t + STARTUP);
+        }
+        while self.decoders.len() > d.replicas as usize {
+            self.remove_decoder();
+        }
+        self.local_share = d.local_decode_share;
+    }
+
+    /// One second of the cluster.
+    fn tick(&mut self) {
+        let demand = self.demand();
+        let s = self.local_share;
+        let ready: Vec<&Decoder> = self
+            .decoders
+            .iter()
+            .filter(|d| d.ready_at <= self.t)
+            .collect();
+        let mut per_node: BTreeMap<&str, usize> = BTreeMap::new();
+        for d in &ready {
+            *per_node.entry(d.node.as_str()).or_default() += 1;
+        }
+        // A decoder's capacity: its CPU, or its share of its node's NIC.
+        let caps: Vec<f64> = ready
+            .iter()
+            .map(|d| {
+                let link = self.cpu_nodes.get(&d.node).copied().unwrap_or(f64::MAX);
+                let n = per_node.get(d.node.as_str()).copied().unwrap_or(1) as f64;
+                DECODER_RATE.min(link / (n * DECODED))
+            })
+            .collect();
+        let capacity: f64 = caps.iter().sum();
+        let network_demand = demand * (1.0 - s);
+        let attempted = network_demand.min(capacity);
+        let (supply, throttles) = match self.s3_limit {
+            Some(limit) if attempted > limit => (limit, attempted - limit),
+            _ => (attempted, 0.0),
+        };
+        // Trainers take both parts in proportion: the slower bounds them.
+        let by_decoders = if s < 1.0 {
+            supply / (1.0 - s)
+        } else {
+            f64::MAX
+        };
+        let by_nic = self.trainer_link / ((1.0 - s) * DECODED + s * ENCODED);
+        let consumption = demand.min(by_decoders).min(by_nic);
+        let delivered = consumption * (1.0 - s);
+
+        let mut tick = Tick {
+            demand,
+            consumption,
+            wait: if demand > 0.0 {
+                1.0 - consumption / demand
+            } else {
+                0.0
+            },
+            s3_requests: delivered + throttles,
+            s3_throttles: throttles,
+            ..Tick::default()
+        };
+        for (d, cap) in ready.iter().zip(&caps) {
+            let handled = if capacity > 0.0 {
+                delivered * cap / capacity
+            } else {
+                0.0
+            };
+            tick.pods
+                .insert(d.name.clone(), (handled, handled / DECODER_RATE));
+            let nic = tick.nics.entry(d.node.clone()).or_default();
+            nic.0 += handled * ENCODED;
+            nic.1 += handled * DECODED;
+        }
+        for n in self.cpu_nodes.keys() {
+            tick.nics.entry(n.clone()).or_default();
+        }
+        tick.nics.insert(
+            TRAINER_NODE.to_string(),
+            (delivered * DECODED + consumption * s * ENCODED, 0.0),
+        );
+        self.ticks.push(tick);
+        self.t += 1;
+    }
+
+    /// What Prometheus answers now: averages over the window, `DELAY` seconds late, noisy.
+    fn measure(&mut self, window: u64) -> Signals {
+        let end = self.t.saturating_sub(DELAY) as usize;
+        let start = end.saturating_sub(window as usize);
+        let span = &self.ticks[start.min(self.ticks.len())..end.min(self.ticks.len())];
+        let n = span.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&Tick) -> f64| span.iter().map(f).sum::<f64>() / n;
+        let wait = mean(&|t| t.wait);
+        let consumption = mean(&|t| t.consumption);
+        let requests = mean(&|t| t.s3_requests);
+        let throttles = mean(&|t| t.s3_throttles);
+        let mut pods: BTreeMap<String, (f64, f64, f64)> = BTreeMap::new();
+        let mut nics: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+        for t in span {
+            for (pod, (handled, busy)) in &t.pods {
+                let e = pods.entry(pod.clone()).or_default();
+                e.0 += handled;
+                e.1 += busy;
+                e.2 += 1.0;
+            }
+            for (node, (rx, tx)) in &t.nics {
+                let e = nics.entry(node.clone()).or_default();
+                e.0 += rx / n;
+                e.1 += tx / n;
+            }
+        }
+        let noise = &mut self.noise;
+        let decoders: BTreeMap<String, DecoderSignal> = pods
+            .into_iter()
+            .map(|(pod, (handled, busy, ticks))| {
+                let signal = DecoderSignal {
+                    samples_per_second: handled / ticks * noise.factor(),
+                    busy_share: (busy / ticks * noise.factor()).min(1.0),
+                };
+                (pod, signal)
+            })
+            .collect();
+        let nodes: BTreeMap<String, NodeNetwork> = nics
+            .into_iter()
+            .map(|(node, (rx, tx))| {
+                let link = if node == TRAINER_NODE {
+                    self.trainer_link
+                } else {
+                    self.cpu_nodes.get(&node).copied().unwrap_or(0.0)
+                };
+                let net = NodeNetwork {
+                    receive_bytes_per_second: rx * noise.factor(),
+                    transmit_bytes_per_second: tx * noise.factor(),
+                    link_bytes_per_second: Some(link),
+                };
+                (node, net)
+            })
+            .collect();
+        Signals {
+            data_wait_share: Some((wait * noise.factor()).clamp(0.0, 1.0)),
+            consumption_per_second: Some(consumption * noise.factor()),
+            trainers_reporting: Some(self.trainers),
+            gpu_utilization_percent: Some((1.0 - wait) * 100.0 * noise.factor()),
+            decoders,
+            nodes,
+            s3_throttles_per_second: Some(throttles * noise.factor()),
+            s3_requests_per_second: Some(requests),
+            decoded_bytes_per_sample: Some(DECODED),
+            encoded_bytes_per_sample: Some(ENCODED),
+        }
+    }
+
+    fn fleet(&self, replicas: u32) -> DecoderFleet {
+        DecoderFleet {
+            replicas,
+            pods: self
+                .decoders
+                .iter()
+                .map(|d| (d.name.clone(), d.node.clone()))
+                .collect(),
+            trainers: self.trainers,
+            trainer_nodes: BTreeMap::from([(TRAINER_NODE.to_string(), self.trainers)]),
+            node_link_bytes_per_second: BTreeMap::new(),
+        }
+    }
+
+    /// True mean data wait over [from, to).
+    fn wait_between(&self, from: u64, to: u64) -> f64 {
+        let span = &self.ticks[from as usize..(to as usize).min(self.ticks.len())];
+        span.iter().map(|t| t.wait).sum::<f64>() / span.len().max(1) as f64
+    }
+}
+
+fn policy() -> AutoscalingPolicy {
+    AutoscalingPolicy {
+        min_replicas: 2,
+        max_replicas: 40,
+        window: Duration::from_secs(60),
+        ..AutoscalingPolicy::default()
+    }
+}
+
+struct Run {
+    world: World,
+    decisions: Vec<(u64, ScaleDecision)>,
+    policy: AutoscalingPolicy,
+}
+
+/// Runs `seconds` of the loop; `event` changes the world at given times.
+fn run(mut world: World, seconds: u64, event: impl Fn(u64, &mut World)) -> Run {
+    let policy = policy();
+    let mut autoscaler = Autoscaler::default();
+    let mut replicas = world.decoders.len() as u32;
+    let mut decisions = Vec::new();
+    let origin = Timestamp::from_second(1_800_000_000).expect("valid time");
+    for t in 0..seconds {
+        event(t, &mut world);
+        if t > 0 && t % PERIOD == 0 {
+            let signals = world.measure(policy.window.as_secs());
+            let now = origin
+                .checked_add(Duration::from_secs(t))
+                .expect("valid time");
+            let d = autoscaler.step(
+                "training/sim",
+                &policy,
+                &world.fleet(replicas),
+                Some(&signals),
+                now,
+            );
+            world.apply(&d);
+            replicas = d.replicas;
+            decisions.push((t, d));
+        }
+        world.tick();
+    }
+    Run {
+        world,
+        decisions,
+        policy,
+    }
+}
+
+impl Run {
+    /// The checks every scenario must pass.
+    fn assert_sound(&self, name: &str, noise: f64) {
+        let p = &self.policy;
+        let mut directions = Vec::new();
+        for (t, d) in &self.decisions {
+            assert!(
+                (p.min_replicas..=p.max_replicas).contains(&d.replicas),
+                "{name}: t={t}: {} decoders outside [{}, {}]",
+                d.replicas,
+                p.min_replicas,
+                p.max_replicas
+            );
+            // Never more than the demand of the recent past (the scale-down window) needs,
+            // with headroom and the noise the measurements carry.
+            let since = t.saturating_sub(p.scale_down_stabilization.as_secs() + PERIOD);
+            let peak = self.world.ticks[since as usize..*t as usize]
+                .iter()
+                .map(|k| k.demand)
+                .fold(0.0, f64::max);
+            let bound = ((peak * p.headroom * (1.0 + noise) / (1.0 - noise) / DECODER_RATE).ceil()
+                as u32)
+                .max(p.min_replicas);
+            assert!(
+                d.replicas <= bound.max(d.from),
+                "{name}: t={t}: {} decoders > {bound} needed with headroom: {}",
+                d.replicas,
+                d.reason
+            );
+            if d.replicas != d.from {
+                directions.push(d.replicas > d.from);
+            }
+        }
+        let reversals = directions.windows(2).filter(|w| w[0] != w[1]).count();
+        assert!(
+            reversals <= 1,
+            "{name}: {reversals} direction reversals: {:?}",
+            self.trace()
+        );
+    }
+
+    /// Data wait is at most the target from two decisions after `change` on, to `until`.
+    fn assert_fed_after(&self, name: &str, change: u64, until: u64) {
+        let second = self
+            .decisions
+            .iter()
+            .map(|(t, _)| *t)
+            .filter(|t| *t > change)
+            .nth(1)
+            .expect("two decisions after the change");
+        // The second decision's pods need their start-up time before they serve.
+        let from = second + STARTUP + 1;
+        for window_start in (from..until.saturating_sub(PERIOD)).step_by(PERIOD as usize) {
+            let wait = self.world.wait_between(window_start, window_start + PERIOD);
+            assert!(
+                wait <= self.policy.target_data_wait,
+                "{name}: data wait {:.1}% over [{window_start}, +{PERIOD}s) after the change at {change}: {:?}",
+                wait * 100.0,
+                self.trace()
+            );
+        }
+    }
+
+    fn trace(&self) -> Vec<String> {
+        self.decisions
+            .iter()
+            .filter(|(_, d)| d.replicas != d.from || !d.move_pods.is_empty())
+            .map(|(t, d)| format!("t={t} {}→{}: {}", d.from, d.replicas, d.reason))
+            .collect()
+    }
+
+    fn replicas_at(&self, t: u64) -> u32 {
+        self.decisions
+            .iter()
+            .take_while(|(at, _)| *at <= t)
+            .last()
+            .map_or(0, |(_, d)| d.replicas)
+    }
+}
+
+#[test]
+fn from_fifteen_percent_gpu_utilization() {
+    // 8 trainers want 2,720 samples/s; 2 decoders give 420/s: GPUs busy 15% of the time.
+    let world = World::new(8, 34.0, 0.1, 2);
+    assert!((world.demand() - 2720.0).abs() < 1e-9);
+    let r = run(world, 900, |_, _| {});
+    r.assert_sound("15% start", 0.0);
+    r.assert_fed_after("15% start", 0, 900);
+    // 2,720 × 1.2 ÷ 210 = 15.5 → 16, reached in two steps of at most 8.
+    assert_eq!(r.replicas_at(900), 16, "{:?}", r.trace());
+}
+
+#[test]
+fn demand_doubling_mid_run() {
+    let world = World::new(8, 34.0, 0.2, 8);
+    let r = run(world, 1500, |t, w| {
+        if t == 600 {
+            // The step time halves: each trainer wants twice the samples.
+            w.per_trainer *= 2.0;
+        }
+    });
+    r.assert_sound("demand doubling", 0.0);
+    r.assert_fed_after("demand doubling", 0, 600);
+    r.assert_fed_after("demand doubling", 600, 1500);
+    assert!(r.replicas_at(1500) >= 14, "{:?}", r.trace());
+}
+
+#[test]
+fn elastic_trainers_are_followed_before_they_starve() {
+    let world = World::new(8, 34.0, 0.2, 8);
+    let r = run(world, 1500, |t, w| {
+        if t == 605 {
+            w.trainers = 16;
+        }
+    });
+    r.assert_sound("elastic trainers", 0.0);
+    let first = r
+        .decisions
+        .iter()
+        .find(|(t, _)| *t > 605)
+        .map(|(_, d)| d.clone())
+        .expect("a decision after the change");
+    assert!(
+        first.replicas >= 14,
+        "first decision after 8 → 16 trainers: {}",
+        first.reason
+    );
+    assert!(first.reason.contains("trainers 8 → 16"), "{}", first.reason);
+    r.assert_fed_after("elastic trainers", 605, 1500);
+}
+
+#[test]
+fn one_decoder_node_nic_limits() {
+    let mut world = World::new(8, 30.0, 0.1, 14);
+    // cpu-1 has a 2.5 Gb/s link: four decoders there would need 4 × 210 × 602 KB ≈ 4 Gb/s.
+    world
+        .cpu_nodes
+        .insert("cpu-1".to_string(), gbps_to_bytes_per_second(2.5));
+    let r = run(world, 1200, |_, _| {});
+    r.assert_sound("decoder NIC", 0.0);
+    let moved: BTreeSet<&str> = r
+        .decisions
+        .iter()
+        .flat_map(|(_, d)| d.move_pods.iter().map(String::as_str))
+        .collect();
+    // 4 decoders at 92% of the link: one move leaves 3 (85%), a second 2 (66%). A third would
+    // be a move made on stale measurements.
+    assert!(
+        (1..=2).contains(&moved.len()),
+        "{} decoders moved off cpu-1: {:?}",
+        moved.len(),
+        r.trace()
+    );
+    assert!(
+        r.decisions
+            .iter()
+            .any(|(_, d)| d.avoid_nodes.contains(&"cpu-1".to_string())),
+        "cpu-1 avoided"
+    );
+    r.assert_fed_after("decoder NIC", 0, 1200);
+    let last = r.world.ticks.last().expect("ticks");
+    let util = last.nics["cpu-1"].1 / gbps_to_bytes_per_second(2.5);
+    assert!(
+        util <= 0.8 + 1e-9,
+        "cpu-1 NIC at {:.0}% at the end",
+        util * 100.0
+    );
+}
+
+#[test]
+fn trainer_node_nic_limits() {
+    // 2,720 samples/s × 602 KB ≈ 13 Gb/s into a 10 Gb/s trainer NIC: decoders cannot help.
+    let mut world = World::new(8, 34.0, 0.1, 16);
+    world.trainer_link = gbps_to_bytes_per_second(10.0);
+    let r = run(world, 900, |_, _| {});
+    r.assert_sound("trainer NIC", 0.0);
+    let (_, first) = &r.decisions[0];
+    assert_eq!(
+        first.conditions.network_saturated,
+        vec![TRAINER_NODE.to_string()],
+        "{}",
+        first.reason
+    );
+    assert!(first.local_decode_share > 0.0, "{}", first.reason);
+    assert!(
+        first.reason.contains("more decoders cannot help"),
+        "{}",
+        first.reason
+    );
+    assert!(
+        r.decisions.iter().all(|(_, d)| d.replicas <= 16),
+        "decoders added although the trainer NIC limits: {:?}",
+        r.trace()
+    );
+    r.assert_fed_after("trainer NIC", 0, 900);
+}
+
+#[test]
+fn s3_throttling_stops_scale_up() {
+    let mut world = World::new(8, 34.0, 0.1, 2);
+    world.s3_limit = Some(1500.0);
+    let r = run(world, 900, |_, _| {});
+    r.assert_sound("S3 throttling", 0.0);
+    let throttled: Vec<&ScaleDecision> = r
+        .decisions
+        .iter()
+        .map(|(_, d)| d)
+        .filter(|d| d.conditions.s3_throttled)
+        .collect();
+    assert!(!throttled.is_empty(), "S3Throttled set: {:?}", r.trace());
+    for d in throttled {
+        assert!(
+            d.replicas <= d.from,
+            "scaled up while throttled: {}",
+            d.reason
+        );
+    }
+    // Enough decoders to reach the store's limit, no more than one step beyond.
+    assert!(r.replicas_at(900) <= 10, "{:?}", r.trace());
+}
+
+#[test]
+fn ten_percent_measurement_noise() {
+    let mut world = World::new(8, 25.0, 0.1, 2);
+    world.noise.amplitude = 0.10;
+    let r = run(world, 3600, |_, _| {});
+    r.assert_sound("10% noise", 0.10);
+    r.assert_fed_after("10% noise", 0, 3600);
+    let changes = r
+        .decisions
+        .iter()
+        .filter(|(_, d)| d.replicas != d.from)
+        .count();
+    assert!(
+        changes <= 3,
+        "noise moved the fleet {changes} times: {:?}",
+        r.trace()
+    );
+}
