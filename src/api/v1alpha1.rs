@@ -66,8 +66,8 @@ use serde::{Deserialize, Serialize};
 )]
 #[x_kube(
     validation = kube::core::Rule::new(
-        "self.autoscaling.mode != 'off' || (has(self.autoscaling.replicas) && self.autoscaling.replicas >= self.decoders.minReplicas && self.autoscaling.replicas <= self.decoders.maxReplicas)"
-    ).message("autoscaling.replicas is required when autoscaling.mode is off and must lie between decoders.minReplicas and decoders.maxReplicas").field_path(".autoscaling.replicas"),
+        "self.autoscaling.mode != 'fixed' || (has(self.autoscaling.replicas) && self.autoscaling.replicas >= self.decoders.minReplicas && self.autoscaling.replicas <= self.decoders.maxReplicas)"
+    ).message("autoscaling.replicas is required when autoscaling.mode is fixed and must lie between decoders.minReplicas and decoders.maxReplicas").field_path(".autoscaling.replicas"),
     validation = kube::core::Rule::new(
         "!isQuantity(self.trainer.sharedMemory) || quantity(self.trainer.sharedMemory).asApproximateFloat() >= double(self.trainer.prefetchBatches * self.batch.size * 3) * double(self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0))"
     ).message("trainer.sharedMemory is too small: it must hold trainer.prefetchBatches × batch.size × (width × height, or maxPixels) × 3 bytes").field_path(".trainer.sharedMemory")
@@ -370,13 +370,13 @@ fn default_skew() -> i32 {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
-    validation = kube::core::Rule::new("self.mode == 'off' || !has(self.replicas)").message("autoscaling.replicas applies only when autoscaling.mode is off"),
+    validation = kube::core::Rule::new("self.mode == 'fixed' || !has(self.replicas)").message("autoscaling.replicas applies only when autoscaling.mode is fixed"),
     validation = kube::core::Rule::new("self.maxScaleUpStep >= 1 && self.maxScaleDownStep >= 1").message("autoscaling.maxScaleUpStep and maxScaleDownStep must be at least 1"),
 )]
 pub struct Autoscaling {
     #[serde(default)]
     pub mode: AutoscalingMode,
-    /// Fixed decoder count when mode is off.
+    /// Fixed decoder count when mode is fixed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 2000))]
     pub replicas: Option<i32>,
@@ -441,7 +441,9 @@ pub enum AutoscalingMode {
     Auto,
     /// Compute and report decisions in status and Events, but keep decoders.minReplicas.
     Recommend,
-    /// Keep autoscaling.replicas decoders.
+    /// Keep autoscaling.replicas decoders (the off switch). Spelled `fixed` on the wire: YAML 1.1
+    /// parsers, kubectl's among them, read a bare `off` as the boolean false.
+    #[serde(rename = "fixed")]
     Off,
 }
 
@@ -648,7 +650,7 @@ mod tests {
     fn fixed_replicas_only_when_autoscaling_off() {
         let mut dp = crop();
         dp.spec.autoscaling.replicas = Some(4);
-        assert!(rejected(&dp).contains("applies only when autoscaling.mode is off"));
+        assert!(rejected(&dp).contains("applies only when autoscaling.mode is fixed"));
     }
 
     #[test]

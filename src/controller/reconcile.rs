@@ -56,7 +56,7 @@ fn pod_suffix() -> String {
 
 fn scale_reason(dp: &DataPipeline) -> String {
     match dp.spec.autoscaling.mode {
-        AutoscalingMode::Off => "autoscaling.mode is off: autoscaling.replicas".to_string(),
+        AutoscalingMode::Off => "autoscaling.mode is fixed: autoscaling.replicas".to_string(),
         AutoscalingMode::Recommend => {
             "autoscaling.mode is recommend: decoders.minReplicas".to_string()
         }

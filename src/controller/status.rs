@@ -94,7 +94,7 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
     set_condition(&mut conditions, DEGRADED, degraded, reason, message, generation, now);
 
     let (reason, message) = match dp.spec.autoscaling.mode {
-        AutoscalingMode::Off => ("AutoscalingOff", "autoscaling.mode is off"),
+        AutoscalingMode::Off => ("AutoscalingFixed", "autoscaling.mode is fixed"),
         _ => ("NoSignals", "the autoscaler has not read any signals yet"),
     };
     for t in AUTOSCALER_CONDITIONS {

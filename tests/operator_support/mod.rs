@@ -67,6 +67,7 @@ where
 pub struct Operator {
     pub shutdown: CancellationToken,
     pub webhook_addr: Option<SocketAddr>,
+    pub metrics: std::sync::Arc<stoker_operator::telemetry::Metrics>,
     pub task: tokio::task::JoinHandle<Result<(), stoker_operator::RunError>>,
 }
 
@@ -92,6 +93,7 @@ impl Operator {
         Self {
             shutdown,
             webhook_addr: running.webhook_addr,
+            metrics: running.metrics,
             task: running.task,
         }
     }
@@ -119,7 +121,7 @@ pub fn pipeline(name: &str, replicas: i32, drain_seconds: i32) -> DataPipeline {
                 "nodeSelector": {"stoker.dev/pool": "cpu"},
                 "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
             },
-            "autoscaling": {"mode": "off", "replicas": replicas},
+            "autoscaling": {"mode": "fixed", "replicas": replicas},
         }
     }))
     .expect("pipeline")

@@ -1,0 +1,36 @@
+{{- define "stoker.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "stoker.labels" -}}
+app.kubernetes.io/name: stoker-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "stoker.selectorLabels" -}}
+app.kubernetes.io/name: stoker-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "stoker.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "stoker.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "stoker.webhookService" -}}
+{{- printf "%s-webhook" (include "stoker.fullname" .) -}}
+{{- end -}}
+
+{{- define "stoker.webhookSecret" -}}
+{{- printf "%s-webhook-tls" (include "stoker.fullname" .) -}}
+{{- end -}}
