@@ -47,6 +47,13 @@ fn fake_loader() -> PathBuf {
 }
 
 fn runtime() -> &'static NodeRuntime {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "stoker_testenv=info".into()),
+        )
+        .with_test_writer()
+        .try_init();
     NodeRuntime::shared(|| RuntimeOptions {
         loader_bin: fake_loader(),
         images: vec![ImageMapping::host_command(HOST_IMAGE)],
@@ -202,16 +209,18 @@ async fn a_pod_runs_in_its_nodes_namespace_at_its_pod_ip_until_deleted() {
     );
 
     pods.delete("web", &DeleteParams::default()).await.unwrap();
+    // (A dying multi-threaded process leaves `ip netns pids` before its sockets close, so
+    // both are checked.)
     eventually(
-        "the pod's processes to stop",
+        "the pod's processes to stop and its port to close",
         Duration::from_secs(30),
-        || async { netns_pids(&netns).is_empty().then_some(()) },
+        || async {
+            (netns_pids(&netns).is_empty()
+                && TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err())
+            .then_some(())
+        },
     )
     .await;
-    assert!(
-        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err(),
-        "nothing listens on {addr} after the pod is gone"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -309,6 +318,23 @@ async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
     }))
     .unwrap();
     pods.create(&PostParams::default(), &pod).await.unwrap();
+    // A trainer with the loader as a native sidecar: the sidecar runs and is scraped too.
+    let trainer: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "trainer-0",
+                     "labels": {"stoker.dev/role": "trainer", "stoker.dev/pipeline": "p1"}},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": "cpu-4"},
+            "initContainers": [{
+                "name": "stoker-sidecar", "image": "ghcr.io/stoker-dev/stoker-loader:test",
+                "restartPolicy": "Always", "args": ["sidecar"],
+            }],
+            "containers": [{"name": "trainer", "image": HOST_IMAGE, "command": ["sleep", "600"]}],
+            "terminationGracePeriodSeconds": 5,
+        }
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &trainer).await.unwrap();
 
     let nic = eventually(
         "Prometheus to have cpu-4's NIC counter",
@@ -324,14 +350,18 @@ async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
     let scraped: f64 = nic[0]["value"][1].as_str().unwrap().parse().unwrap();
     let (_, now) = node_counters(rt, "cpu-4");
     assert!(scraped <= now as f64, "scraped {scraped} <= current {now}");
-    let all_nodes = prometheus
-        .query("count(node_network_speed_bytes{job=\"node-exporter\"})")
-        .unwrap();
-    assert_eq!(
-        all_nodes[0]["value"][1].as_str().unwrap(),
-        rt.node_names().len().to_string(),
-        "one NIC exporter per node"
-    );
+    let nodes = rt.node_names().len().to_string();
+    eventually(
+        "one NIC exporter per node in Prometheus",
+        Duration::from_secs(60),
+        || async {
+            let count = prometheus
+                .query("count(node_network_speed_bytes{job=\"node-exporter\"})")
+                .ok()?;
+            (count.first()?["value"][1].as_str()? == nodes).then_some(())
+        },
+    )
+    .await;
     let slow = prometheus
         .query(&format!("node_network_speed_bytes{{node=\"{SLOW_NODE}\"}}"))
         .unwrap();
@@ -351,17 +381,133 @@ async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
     )
     .await;
 
-    pods.delete("decoder-0", &DeleteParams::default())
-        .await
-        .unwrap();
+    let query = format!(
+        "stoker_fake_loader_up{{namespace=\"{}\",pod=\"trainer-0\",container=\"stoker-sidecar\",role=\"trainer\"}}",
+        ns.name
+    );
+    eventually(
+        "Prometheus to scrape the trainer's loader sidecar",
+        Duration::from_secs(60),
+        || async { prometheus.query(&query).ok().filter(|r| r.len() == 1) },
+    )
+    .await;
+
+    for name in ["decoder-0", "trainer-0"] {
+        pods.delete(name, &DeleteParams::default()).await.unwrap();
+    }
     let sd = rt.sd_dir().join("loaders.json");
     eventually(
         "the loader target to leave file_sd",
         Duration::from_secs(30),
         || async {
             let text = std::fs::read_to_string(&sd).unwrap_or_default();
-            (!text.contains("decoder-0")).then_some(())
+            (!text.contains(&ns.name)).then_some(())
         },
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d_s3_gets_from_a_pod_cross_the_nodes_nic() {
+    let rt = runtime();
+    let root = tempfile::tempdir().unwrap();
+    let s3 = rt
+        .start_s3(stoker_testenv::s3::S3ServerConfig::new(root.path()))
+        .unwrap();
+    const SIZE: usize = 4_000_000;
+    s3.create_bucket("data").unwrap();
+    s3.put_object("data", "blob.bin", &vec![7u8; SIZE]).unwrap();
+    let node = "cpu-5";
+    let ns = ControlPlane::shared().namespace("rt-s3").await;
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(ns.client.clone(), &ns.name);
+    let secret = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds"},
+        "stringData": {"AWS_ACCESS_KEY_ID": s3.access_key(), "AWS_SECRET_ACCESS_KEY": s3.secret_key()},
+    }))
+    .unwrap();
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    let before = node_counters(rt, node);
+    // boto3 from the Python on PATH, with credentials from the Secret (envFrom).
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "getter"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "restartPolicy": "Never",
+            "containers": [{
+                "name": "get", "image": HOST_IMAGE,
+                "command": ["python3", "-c",
+                    "import boto3, os; c = boto3.client('s3', endpoint_url=os.environ['S3'], region_name='us-east-1'); print('got', len(c.get_object(Bucket='data', Key='blob.bin')['Body'].read()), flush=True)"],
+                "env": [{"name": "S3", "value": s3.endpoint()}],
+                "envFrom": [{"secretRef": {"name": "s3-creds"}}],
+            }],
+        }
+    }))
+    .unwrap();
+    let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    eventually("the pod's GET", Duration::from_secs(90), || async {
+        rt.container_log(&ns.name, "getter", "get")
+            .contains(&format!("got {SIZE}"))
+            .then_some(())
+    })
+    .await;
+    let after = node_counters(rt, node);
+    let received = after.0 - before.0;
+    eprintln!(
+        "{node} received {received} bytes for a {SIZE}-byte GET from S3 at {}",
+        s3.endpoint()
+    );
+    assert!(
+        received >= SIZE as u64,
+        "{node}'s NIC received {received} bytes, less than the {SIZE}-byte object"
+    );
+    pods.delete("getter", &DeleteParams::default())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_a_container_that_exits_is_restarted_with_backoff() {
+    let rt = runtime();
+    let ns = ControlPlane::shared().namespace("rt-restart").await;
+    let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "crash"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": "cpu-6"},
+            "containers": [{"name": "crash", "image": HOST_IMAGE,
+                            "command": ["sh", "-c", "echo run; exit 3"]}],
+        }
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    let runs = |ns: &str| {
+        std::fs::read_dir(rt.logs_dir())
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("{ns}_crash_crash"))
+            })
+            .count()
+    };
+    let started = Instant::now();
+    eventually("three runs", Duration::from_secs(30), || async {
+        (runs(&ns.name) >= 3).then_some(())
+    })
+    .await;
+    // Backoff 1 s then 2 s between runs.
+    assert!(
+        started.elapsed() >= Duration::from_secs(3),
+        "three runs took only {:?}",
+        started.elapsed()
+    );
+    pods.delete("crash", &DeleteParams::default())
+        .await
+        .unwrap();
 }
