@@ -106,7 +106,12 @@ impl LeaderElector {
     /// One attempt to take or renew the lease; `Ok(false)` when another replica holds it.
     pub async fn try_acquire_or_renew(&self) -> Result<bool, LeaderError> {
         let now = Timestamp::now();
-        match self.api.get_opt(&self.config.name).await.map_err(|e| self.err(e))? {
+        match self
+            .api
+            .get_opt(&self.config.name)
+            .await
+            .map_err(|e| self.err(e))?
+        {
             None => {
                 let lease = Lease {
                     metadata: ObjectMeta {
@@ -124,7 +129,8 @@ impl LeaderElector {
             }
             Some(mut lease) => {
                 let previous = lease.spec.clone().unwrap_or_default();
-                let mine = previous.holder_identity.as_deref() == Some(self.config.identity.as_str());
+                let mine =
+                    previous.holder_identity.as_deref() == Some(self.config.identity.as_str());
                 if !mine && !is_expired(&previous, now) {
                     return Ok(false);
                 }
@@ -184,7 +190,9 @@ impl LeaderElector {
         let Ok(Some(mut lease)) = self.api.get_opt(&self.config.name).await else {
             return;
         };
-        let Some(spec) = lease.spec.as_mut() else { return };
+        let Some(spec) = lease.spec.as_mut() else {
+            return;
+        };
         if spec.holder_identity.as_deref() != Some(self.config.identity.as_str()) {
             return;
         }

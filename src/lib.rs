@@ -137,7 +137,11 @@ pub async fn start(
 }
 
 /// Runs the operator until `shutdown` or until leadership is lost.
-pub async fn run(client: Client, config: Config, shutdown: CancellationToken) -> Result<(), RunError> {
+pub async fn run(
+    client: Client,
+    config: Config,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
     let running = start(client, config, shutdown).await?;
     match running.task.await {
         Ok(r) => r,

@@ -11,7 +11,11 @@ use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
 use stoker_operator::{CancellationToken, Config, api, telemetry};
 
 #[derive(Parser)]
-#[command(name = "stoker-operator", version, about = "Keeps GPU trainers fed with decoded images from S3")]
+#[command(
+    name = "stoker-operator",
+    version,
+    about = "Keeps GPU trainers fed with decoded images from S3"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -20,7 +24,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the operator (default).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the DataPipeline CRD as YAML.
     Crd,
 }
@@ -49,7 +53,11 @@ struct RunArgs {
     /// Run the controller without leader election.
     #[arg(long)]
     no_leader_election: bool,
-    #[arg(long, env = "STOKER_LOADER_IMAGE", default_value = "ghcr.io/stoker-dev/stoker-loader:0.1.0")]
+    #[arg(
+        long,
+        env = "STOKER_LOADER_IMAGE",
+        default_value = "ghcr.io/stoker-dev/stoker-loader:0.1.0"
+    )]
     loader_image: String,
     #[arg(long, default_value = "0.0.0.0:8443")]
     webhook_listen: SocketAddr,
@@ -83,7 +91,7 @@ async fn main() -> anyhow::Result<()> {
             print!("{}", api::crd_yaml()?);
             return Ok(());
         }
-        Some(Command::Run(args)) => args,
+        Some(Command::Run(args)) => *args,
         None => RunArgs::parse_from(["stoker-operator"]),
     };
     telemetry::init_logging(args.log_json);
@@ -98,7 +106,10 @@ async fn main() -> anyhow::Result<()> {
             secret_name: args.webhook_secret.clone(),
             dns_names: vec![
                 format!("{}.{}.svc", args.webhook_service, args.namespace),
-                format!("{}.{}.svc.cluster.local", args.webhook_service, args.namespace),
+                format!(
+                    "{}.{}.svc.cluster.local",
+                    args.webhook_service, args.namespace
+                ),
             ],
             ip_addresses: Vec::<IpAddr>::new(),
             webhook_configuration: args.webhook_configuration.clone(),
@@ -140,13 +151,14 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}

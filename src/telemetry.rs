@@ -109,7 +109,11 @@ impl Metrics {
     }
 
     pub fn fleet(&self, namespace: &str, pipeline: &str, desired: i32, ready: i32, draining: i32) {
-        for (state, v) in [("desired", desired), ("ready", ready), ("draining", draining)] {
+        for (state, v) in [
+            ("desired", desired),
+            ("ready", ready),
+            ("draining", draining),
+        ] {
             self.fleet
                 .get_or_create(&FleetLabels {
                     namespace: namespace.to_string(),
@@ -160,7 +164,10 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let app = Router::new()
-        .route("/metrics", get(|State(m): State<Arc<Metrics>>| async move { m.encode() }))
+        .route(
+            "/metrics",
+            get(|State(m): State<Arc<Metrics>>| async move { m.encode() }),
+        )
         .route("/healthz", get(|| async { "ok" }))
         .route(
             "/readyz",

@@ -31,17 +31,34 @@ fn run(mut cmd: Command, stdin: Option<&str>) -> String {
     }
     let mut child = cmd.spawn().expect("spawn");
     if let Some(input) = stdin {
-        child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("write stdin");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input.as_bytes())
+            .expect("write stdin");
     }
     let out = child.wait_with_output().expect("wait");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.status.success(), "{cmd:?} failed:\n{text}");
     text
 }
 
 fn template(cp: &ControlPlane, ns: &str, extra: &[&str]) -> String {
     let mut cmd = cp.helm();
-    cmd.args(["template", "stoker", CHART, "--namespace", ns, "--include-crds"]).args(extra);
+    cmd.args([
+        "template",
+        "stoker",
+        CHART,
+        "--namespace",
+        ns,
+        "--include-crds",
+    ])
+    .args(extra);
     run(cmd, None)
 }
 
@@ -53,18 +70,36 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
     install_crd(&release.client).await;
 
     // Lint both TLS modes; the cert-manager rendering carries the CA-injection annotation.
-    for values in [&[][..], &["--set", "webhook.tls.mode=certManager", "--set", "podMonitor.enabled=true"][..]] {
+    for values in [
+        &[][..],
+        &[
+            "--set",
+            "webhook.tls.mode=certManager",
+            "--set",
+            "podMonitor.enabled=true",
+        ][..],
+    ] {
         let mut lint = cp.helm();
         lint.args(["lint", "--strict", CHART]).args(values);
         run(lint, None);
     }
-    let cm = template(cp, &release.name, &["--set", "webhook.tls.mode=certManager"]);
-    assert!(cm.contains(&format!("cert-manager.io/inject-ca-from: {}/stoker-webhook", release.name)));
+    let cm = template(
+        cp,
+        &release.name,
+        &["--set", "webhook.tls.mode=certManager"],
+    );
+    assert!(cm.contains(&format!(
+        "cert-manager.io/inject-ca-from: {}/stoker-webhook",
+        release.name
+    )));
     assert!(cm.contains("kind: Certificate"));
 
     // The default rendering applies cleanly to the real API server, then for real.
     let rendered = template(cp, &release.name, &[]);
-    assert!(!rendered.contains("namespace: default"), "every object uses .Release.Namespace");
+    assert!(
+        !rendered.contains("namespace: default"),
+        "every object uses .Release.Namespace"
+    );
     let mut dry = cp.kubectl();
     dry.args(["apply", "--dry-run=server", "-f", "-"]);
     run(dry, Some(&rendered));
@@ -81,7 +116,9 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
     let config = Config {
         watch_namespace: None,
         lease: Some(LeaseConfig::new(&ns, "stoker-leader", "stoker-test-0")),
-        defaults: BuildDefaults { loader_image: LOADER_IMAGE.into() },
+        defaults: BuildDefaults {
+            loader_image: LOADER_IMAGE.into(),
+        },
         webhook: Some(WebhookConfig {
             listen: "127.0.0.1:0".parse().expect("addr"),
             tls: TlsSource::SelfManaged(SelfManaged {
@@ -94,7 +131,10 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
                 renew_before: Duration::from_secs(30 * 86_400),
             }),
             refresh_interval: Duration::from_secs(60),
-            inject: InjectConfig { loader_image: LOADER_IMAGE.into(), sidecar_resources: None },
+            inject: InjectConfig {
+                loader_image: LOADER_IMAGE.into(),
+                sidecar_resources: None,
+            },
         }),
         metrics_listen: Some("127.0.0.1:0".parse().expect("addr")),
     };
@@ -105,12 +145,21 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         .get("stoker-webhook-tls")
         .await
         .expect("webhook Secret");
-    let ca = secret.data.and_then(|d| d.get("ca.crt").cloned()).expect("ca.crt");
+    let ca = secret
+        .data
+        .and_then(|d| d.get("ca.crt").cloned())
+        .expect("ca.crt");
     let mwc = Api::<MutatingWebhookConfiguration>::all(release.client.clone())
         .get("stoker")
         .await
         .expect("webhook configuration");
-    assert_eq!(mwc.webhooks.expect("webhooks")[0].client_config.ca_bundle.as_ref(), Some(&ca));
+    assert_eq!(
+        mwc.webhooks.expect("webhooks")[0]
+            .client_config
+            .ca_bundle
+            .as_ref(),
+        Some(&ca)
+    );
 
     // Leader election through the chart's Lease rule.
     let leases: Api<Lease> = Api::namespaced(release.client.clone(), &ns);
@@ -129,25 +178,41 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
     assert!(skew_over_cpu_nodes(&pods) <= 1);
     eventually("status Ready", Duration::from_secs(30), || async {
         let s = dps.get("chart-check").await.ok()?.status?;
-        s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True").then_some(())
-    })
-    .await;
-    let events: Api<Event> = Api::namespaced(app.client.clone(), &app.name);
-    eventually("an Event from the operator", Duration::from_secs(30), || async {
-        let list = events.list(&ListParams::default()).await.ok()?;
-        list.items
+        s.conditions
             .iter()
-            .any(|e| e.reporting_controller.as_deref() == Some("stoker-operator"))
+            .any(|c| c.type_ == "Ready" && c.status == "True")
             .then_some(())
     })
     .await;
+    let events: Api<Event> = Api::namespaced(app.client.clone(), &app.name);
+    eventually(
+        "an Event from the operator",
+        Duration::from_secs(30),
+        || async {
+            let list = events.list(&ListParams::default()).await.ok()?;
+            list.items
+                .iter()
+                .any(|e| e.reporting_controller.as_deref() == Some("stoker-operator"))
+                .then_some(())
+        },
+    )
+    .await;
     let metrics = op.metrics.encode();
-    assert!(!metrics.contains("category=\"forbidden\""), "RBAC denied something:\n{metrics}");
+    assert!(
+        !metrics.contains("category=\"forbidden\""),
+        "RBAC denied something:\n{metrics}"
+    );
     assert!(metrics.contains("stoker_leader 1"), "{metrics}");
     op.stop().await;
 
     // Leave no cluster-scoped objects behind for other tests of this control plane.
     let mut delete = cp.kubectl();
-    delete.args(["delete", "--ignore-not-found", "mutatingwebhookconfiguration/stoker", "clusterrole/stoker", "clusterrolebinding/stoker"]);
+    delete.args([
+        "delete",
+        "--ignore-not-found",
+        "mutatingwebhookconfiguration/stoker",
+        "clusterrole/stoker",
+        "clusterrolebinding/stoker",
+    ]);
     run(delete, None);
 }

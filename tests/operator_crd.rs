@@ -9,7 +9,10 @@ const FILE: &str = "datapipelines.stoker.dev.yaml";
 fn crds_match_the_rust_types() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let want = stoker_operator::api::crd_yaml().expect("CRD serializes");
-    let targets = [root.join("crds").join(FILE), root.join("charts/stoker/crds").join(FILE)];
+    let targets = [
+        root.join("crds").join(FILE),
+        root.join("charts/stoker/crds").join(FILE),
+    ];
     if std::env::var_os("UPDATE_CRDS").is_some_and(|v| v == "1") {
         for t in &targets {
             std::fs::create_dir_all(t.parent().expect("has a parent")).expect("mkdir");

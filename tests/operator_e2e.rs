@@ -8,8 +8,8 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use operator_support::*;
 use serde_json::json;
 use stoker_operator::api::DataPipeline;
@@ -37,75 +37,164 @@ async fn decoders_spread_scale_without_restarts_and_drain() {
         .expect("create pipeline");
 
     let four = wait_ready_decoders(&ns.client, &ns.name, "imagenet", 4).await;
-    assert!(skew_over_cpu_nodes(&four) <= 1, "spread: {:?}", per_node(&four));
-    assert_eq!(per_node(&four).len(), 4, "four decoders on four different nodes");
+    assert!(
+        skew_over_cpu_nodes(&four) <= 1,
+        "spread: {:?}",
+        per_node(&four)
+    );
+    assert_eq!(
+        per_node(&four).len(),
+        4,
+        "four decoders on four different nodes"
+    );
 
     // Status and `kubectl get dp` columns.
     let status = eventually("status ready", Duration::from_secs(30), || async {
         let dp = dps.get("imagenet").await.ok()?;
         let s = dp.status?;
-        let ready = s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+        let ready = s
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
         (ready && s.decoders.ready == 4).then_some(s)
     })
     .await;
     assert_eq!((status.decoders.desired, status.decoders.nodes), (4, 4));
     assert_eq!(status.observed_generation, Some(1));
-    let out = ns.kubectl().args(["get", "dp", "imagenet"]).output().expect("kubectl");
+    let out = ns
+        .kubectl()
+        .args(["get", "dp", "imagenet"])
+        .output()
+        .expect("kubectl");
     let table = String::from_utf8_lossy(&out.stdout).to_string();
-    let header: Vec<&str> = table.lines().next().unwrap_or_default().split_whitespace().collect();
+    let header: Vec<&str> = table
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
     assert_eq!(
         header,
-        ["NAME", "READY", "DECODERS", "DESIRED", "TRAINERS", "DATA-WAIT", "SAMPLES/S", "AGE"],
+        [
+            "NAME",
+            "READY",
+            "DECODERS",
+            "DESIRED",
+            "TRAINERS",
+            "DATA-WAIT",
+            "SAMPLES/S",
+            "AGE"
+        ],
         "{table}"
     );
-    let row: Vec<&str> = table.lines().nth(1).unwrap_or_default().split_whitespace().collect();
+    let row: Vec<&str> = table
+        .lines()
+        .nth(1)
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
     assert_eq!(&row[..5], ["imagenet", "True", "4", "4", "0"], "{table}");
 
     // 4 → 10: the first four keep running (same UIDs), all ten spread with skew ≤ 1.
     set_replicas(&dps, "imagenet", 10).await;
     let ten = wait_ready_decoders(&ns.client, &ns.name, "imagenet", 10).await;
-    assert!(uids(&four).is_subset(&uids(&ten)), "scale-up restarted a decoder");
-    assert!(skew_over_cpu_nodes(&ten) <= 1, "spread: {:?}", per_node(&ten));
+    assert!(
+        uids(&four).is_subset(&uids(&ten)),
+        "scale-up restarted a decoder"
+    );
+    assert!(
+        skew_over_cpu_nodes(&ten) <= 1,
+        "spread: {:?}",
+        per_node(&ten)
+    );
 
     // 10 → 3: seven decoders leave discovery first (draining label), then are deleted.
     set_replicas(&dps, "imagenet", 3).await;
-    let drained = eventually("seven draining decoders", Duration::from_secs(30), || async {
-        let pods = decoders(&ns.client, &ns.name, "imagenet").await;
-        let d: Vec<Pod> = pods.into_iter().filter(is_draining).collect();
-        (d.len() == 7).then_some(d)
-    })
+    let drained = eventually(
+        "seven draining decoders",
+        Duration::from_secs(30),
+        || async {
+            let pods = decoders(&ns.client, &ns.name, "imagenet").await;
+            let d: Vec<Pod> = pods.into_iter().filter(is_draining).collect();
+            (d.len() == 7).then_some(d)
+        },
+    )
     .await;
     for p in &drained {
         assert!(p.annotations().contains_key("stoker.dev/drain-started"));
     }
     let svc: Api<Service> = Api::namespaced(ns.client.clone(), &ns.name);
-    let selector = svc.get("imagenet-decoders").await.expect("service").spec.and_then(|s| s.selector).expect("selector");
-    assert_eq!(selector.get("stoker.dev/draining").map(String::as_str), Some("false"));
+    let selector = svc
+        .get("imagenet-decoders")
+        .await
+        .expect("service")
+        .spec
+        .and_then(|s| s.selector)
+        .expect("selector");
+    assert_eq!(
+        selector.get("stoker.dev/draining").map(String::as_str),
+        Some("false")
+    );
     let three = eventually("three decoders left", Duration::from_secs(60), || async {
         let pods = decoders(&ns.client, &ns.name, "imagenet").await;
         (pods.len() == 3 && pods.iter().all(|p| is_ready(p) && !is_draining(p))).then_some(pods)
     })
     .await;
-    assert!(uids(&three).is_subset(&uids(&ten)), "scale-down restarted a decoder");
-    assert_eq!(per_node(&three).len(), 3, "survivors come from the most crowded nodes last");
-    let s = dps.get("imagenet").await.expect("dp").status.expect("status");
+    assert!(
+        uids(&three).is_subset(&uids(&ten)),
+        "scale-down restarted a decoder"
+    );
+    assert_eq!(
+        per_node(&three).len(),
+        3,
+        "survivors come from the most crowded nodes last"
+    );
+    let s = dps
+        .get("imagenet")
+        .await
+        .expect("dp")
+        .status
+        .expect("status");
     let last = s.last_scale.expect("lastScale");
     assert_eq!((last.from, last.to), (10, 3));
 
     // Deleting the pipeline garbage-collects every child.
-    dps.delete("imagenet", &DeleteParams::foreground()).await.expect("delete");
+    dps.delete("imagenet", &DeleteParams::foreground())
+        .await
+        .expect("delete");
     let c = ns.client.clone();
     let n = ns.name.clone();
     eventually("children collected", Duration::from_secs(90), || {
         let (c, n) = (c.clone(), n.clone());
         async move {
             let pods = decoders(&c, &n, "imagenet").await.len();
-            let cms = Api::<ConfigMap>::namespaced(c.clone(), &n).get_opt("imagenet-config").await.ok()?;
-            let svc = Api::<Service>::namespaced(c.clone(), &n).get_opt("imagenet-decoders").await.ok()?;
-            let np = Api::<NetworkPolicy>::namespaced(c.clone(), &n).get_opt("imagenet-decoders").await.ok()?;
-            let role = Api::<Role>::namespaced(c.clone(), &n).get_opt("stoker-imagenet-sidecar").await.ok()?;
-            let rb = Api::<RoleBinding>::namespaced(c.clone(), &n).get_opt("stoker-imagenet-sidecar").await.ok()?;
-            (pods == 0 && cms.is_none() && svc.is_none() && np.is_none() && role.is_none() && rb.is_none()).then_some(())
+            let cms = Api::<ConfigMap>::namespaced(c.clone(), &n)
+                .get_opt("imagenet-config")
+                .await
+                .ok()?;
+            let svc = Api::<Service>::namespaced(c.clone(), &n)
+                .get_opt("imagenet-decoders")
+                .await
+                .ok()?;
+            let np = Api::<NetworkPolicy>::namespaced(c.clone(), &n)
+                .get_opt("imagenet-decoders")
+                .await
+                .ok()?;
+            let role = Api::<Role>::namespaced(c.clone(), &n)
+                .get_opt("stoker-imagenet-sidecar")
+                .await
+                .ok()?;
+            let rb = Api::<RoleBinding>::namespaced(c.clone(), &n)
+                .get_opt("stoker-imagenet-sidecar")
+                .await
+                .ok()?;
+            (pods == 0
+                && cms.is_none()
+                && svc.is_none()
+                && np.is_none()
+                && role.is_none()
+                && rb.is_none())
+            .then_some(())
         }
     })
     .await;
@@ -127,7 +216,9 @@ async fn deleted_decoder_is_replaced_and_restart_changes_nothing() {
     // A deleted decoder is replaced; the other two are untouched.
     let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
     let victim = before[0].name_any();
-    pods.delete(&victim, &DeleteParams::default().grace_period(0)).await.expect("delete pod");
+    pods.delete(&victim, &DeleteParams::default().grace_period(0))
+        .await
+        .expect("delete pod");
     let after = eventually("replacement decoder", Duration::from_secs(60), || async {
         let now = decoders(&ns.client, &ns.name, "coco").await;
         let fresh = now.iter().all(|p| p.name_any() != victim);
@@ -135,7 +226,10 @@ async fn deleted_decoder_is_replaced_and_restart_changes_nothing() {
     })
     .await;
     let survivors: std::collections::BTreeSet<String> = uids(&before[1..]);
-    assert!(survivors.is_subset(&uids(&after)), "replacement touched healthy decoders");
+    assert!(
+        survivors.is_subset(&uids(&after)),
+        "replacement touched healthy decoders"
+    );
 
     // Wait for the status to settle, then restart the operator: nothing may change.
     eventually("status settled", Duration::from_secs(30), || async {
@@ -148,7 +242,11 @@ async fn deleted_decoder_is_replaced_and_restart_changes_nothing() {
     op.stop().await;
     let op = Operator::start(ns.client.clone(), &ns.name, None).await;
     tokio::time::sleep(Duration::from_secs(8)).await;
-    assert_eq!(snapshot, crate::snapshot(&ns.client, &ns.name, "coco").await, "restart changed objects");
+    assert_eq!(
+        snapshot,
+        crate::snapshot(&ns.client, &ns.name, "coco").await,
+        "restart changed objects"
+    );
     op.stop().await;
 }
 
@@ -157,24 +255,46 @@ async fn snapshot(client: &kube::Client, ns: &str, name: &str) -> Vec<(String, S
     let mut out = Vec::new();
     let rv = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
         (
-            format!("{}:{}", m.name.clone().unwrap_or_default(), m.uid.clone().unwrap_or_default()),
+            format!(
+                "{}:{}",
+                m.name.clone().unwrap_or_default(),
+                m.uid.clone().unwrap_or_default()
+            ),
             m.resource_version.clone().unwrap_or_default(),
         )
     };
     let mut pods = decoders(client, ns, name).await;
     pods.sort_by_key(|p| p.name_any());
     out.extend(pods.iter().map(|p| rv(&p.metadata)));
-    let dp = Api::<DataPipeline>::namespaced(client.clone(), ns).get(name).await.expect("dp");
+    let dp = Api::<DataPipeline>::namespaced(client.clone(), ns)
+        .get(name)
+        .await
+        .expect("dp");
     out.push(rv(&dp.metadata));
-    let cm = Api::<ConfigMap>::namespaced(client.clone(), ns).get(&format!("{name}-config")).await.expect("cm");
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .get(&format!("{name}-config"))
+        .await
+        .expect("cm");
     out.push(rv(&cm.metadata));
-    let svc = Api::<Service>::namespaced(client.clone(), ns).get(&format!("{name}-decoders")).await.expect("svc");
+    let svc = Api::<Service>::namespaced(client.clone(), ns)
+        .get(&format!("{name}-decoders"))
+        .await
+        .expect("svc");
     out.push(rv(&svc.metadata));
-    let np = Api::<NetworkPolicy>::namespaced(client.clone(), ns).get(&format!("{name}-decoders")).await.expect("np");
+    let np = Api::<NetworkPolicy>::namespaced(client.clone(), ns)
+        .get(&format!("{name}-decoders"))
+        .await
+        .expect("np");
     out.push(rv(&np.metadata));
-    let role = Api::<Role>::namespaced(client.clone(), ns).get(&format!("stoker-{name}-sidecar")).await.expect("role");
+    let role = Api::<Role>::namespaced(client.clone(), ns)
+        .get(&format!("stoker-{name}-sidecar"))
+        .await
+        .expect("role");
     out.push(rv(&role.metadata));
-    let rb = Api::<RoleBinding>::namespaced(client.clone(), ns).get(&format!("stoker-{name}-sidecar")).await.expect("rb");
+    let rb = Api::<RoleBinding>::namespaced(client.clone(), ns)
+        .get(&format!("stoker-{name}-sidecar"))
+        .await
+        .expect("rb");
     out.push(rv(&rb.metadata));
     out
 }

@@ -96,9 +96,12 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
     // The configuration exists first (the operator writes its caBundle), then gets our port.
     let mwc_name = format!("stoker-{}", ns.name);
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ns.client.clone());
-    mwcs.create(&PostParams::default(), &webhook_configuration(&mwc_name, &ns.name, "https://127.0.0.1:1/mutate"))
-        .await
-        .expect("create webhook configuration");
+    mwcs.create(
+        &PostParams::default(),
+        &webhook_configuration(&mwc_name, &ns.name, "https://127.0.0.1:1/mutate"),
+    )
+    .await
+    .expect("create webhook configuration");
     let op = start_with_webhook(&ns.client, &ns.name, &mwc_name).await;
     let port = op.webhook_addr.expect("webhook address").port();
     let mut mwc = mwcs.get(&mwc_name).await.expect("get mwc");
@@ -106,17 +109,33 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
         .get("stoker-webhook-tls")
         .await
         .expect("self-managed Secret");
-    let ca = secret.data.as_ref().and_then(|d| d.get("ca.crt")).expect("ca.crt").clone();
+    let ca = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get("ca.crt"))
+        .expect("ca.crt")
+        .clone();
     let hook = &mut mwc.webhooks.as_mut().expect("webhooks")[0];
-    assert_eq!(hook.client_config.ca_bundle.as_ref(), Some(&ca), "operator wrote its CA into caBundle");
+    assert_eq!(
+        hook.client_config.ca_bundle.as_ref(),
+        Some(&ca),
+        "operator wrote its CA into caBundle"
+    );
     hook.client_config.url = Some(format!("https://127.0.0.1:{port}/mutate"));
-    mwcs.replace(&mwc_name, &PostParams::default(), &mwc).await.expect("point at webhook");
+    mwcs.replace(&mwc_name, &PostParams::default(), &mwc)
+        .await
+        .expect("point at webhook");
     let decoders_before = uids(&wait_ready_decoders(&ns.client, &ns.name, "vision", 2).await);
 
     // A labelled trainer pod gets the native sidecar, the shared-memory volume and the env.
     let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
     let created = eventually("webhook reachable", Duration::from_secs(30), || async {
-        pods.create(&PostParams::default(), &trainer("trainer-0", Some("vision"))).await.ok()
+        pods.create(
+            &PostParams::default(),
+            &trainer("trainer-0", Some("vision")),
+        )
+        .await
+        .ok()
     })
     .await;
     let spec = created.spec.clone().expect("spec");
@@ -124,11 +143,24 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
     assert_eq!(inits[0].name, "stoker-loader");
     assert_eq!(inits[0].restart_policy.as_deref(), Some("Always"));
     assert!(inits[0].startup_probe.is_some());
-    let shm = spec.volumes.as_ref().and_then(|v| v.iter().find(|v| v.name == "stoker-shm")).expect("shm volume");
-    assert_eq!(shm.empty_dir.as_ref().and_then(|e| e.medium.as_deref()), Some("Memory"));
+    let shm = spec
+        .volumes
+        .as_ref()
+        .and_then(|v| v.iter().find(|v| v.name == "stoker-shm"))
+        .expect("shm volume");
+    assert_eq!(
+        shm.empty_dir.as_ref().and_then(|e| e.medium.as_deref()),
+        Some("Memory")
+    );
     let env = spec.containers[0].env.clone().expect("env");
-    assert!(env.iter().any(|e| e.name == "STOKER_SOCKET" && e.value.as_deref() == Some("/dev/shm/stoker/stoker.sock")));
-    assert_eq!(created.labels().get("stoker.dev/role").map(String::as_str), Some("trainer"));
+    assert!(
+        env.iter().any(|e| e.name == "STOKER_SOCKET"
+            && e.value.as_deref() == Some("/dev/shm/stoker/stoker.sock"))
+    );
+    assert_eq!(
+        created.labels().get("stoker.dev/role").map(String::as_str),
+        Some("trainer")
+    );
 
     // Re-invocation on an already injected pod adds nothing twice.
     let mut again = created.clone();
@@ -142,41 +174,79 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
     if let Some(s) = again.spec.as_mut() {
         s.node_name = None;
     }
-    let again = pods.create(&PostParams::default(), &again).await.expect("create injected copy");
+    let again = pods
+        .create(&PostParams::default(), &again)
+        .await
+        .expect("create injected copy");
     let s = again.spec.expect("spec");
-    assert_eq!(count(s.init_containers.as_ref(), |c| c.name == "stoker-loader"), 1);
+    assert_eq!(
+        count(s.init_containers.as_ref(), |c| c.name == "stoker-loader"),
+        1
+    );
     assert_eq!(count(s.volumes.as_ref(), |v| v.name == "stoker-shm"), 1);
-    assert_eq!(count(s.containers[0].env.as_ref(), |e| e.name == "STOKER_SOCKET"), 1);
-    assert_eq!(count(s.containers[0].volume_mounts.as_ref(), |m| m.name == "stoker-shm"), 1);
+    assert_eq!(
+        count(s.containers[0].env.as_ref(), |e| e.name == "STOKER_SOCKET"),
+        1
+    );
+    assert_eq!(
+        count(s.containers[0].volume_mounts.as_ref(), |m| m.name
+            == "stoker-shm"),
+        1
+    );
 
     // An unlabelled pod is never touched.
-    let plain = pods.create(&PostParams::default(), &trainer("plain", None)).await.expect("plain pod");
+    let plain = pods
+        .create(&PostParams::default(), &trainer("plain", None))
+        .await
+        .expect("plain pod");
     assert!(plain.spec.expect("spec").init_containers.is_none());
-    assert!(plain.metadata.annotations.unwrap_or_default().get("stoker.dev/injected").is_none());
+    assert!(
+        !plain
+            .metadata
+            .annotations
+            .unwrap_or_default()
+            .contains_key("stoker.dev/injected")
+    );
 
     // A pod naming a pipeline that does not exist is refused, with a message that says why.
-    let refused = pods.create(&PostParams::default(), &trainer("orphan", Some("missing"))).await;
+    let refused = pods
+        .create(&PostParams::default(), &trainer("orphan", Some("missing")))
+        .await;
     let message = match refused {
         Err(kube::Error::Api(s)) => s.message.clone(),
         other => panic!("expected a refusal, got {other:?}"),
     };
-    assert!(message.contains("DataPipeline \"missing\"") && message.contains("does not exist"), "{message}");
+    assert!(
+        message.contains("DataPipeline \"missing\"") && message.contains("does not exist"),
+        "{message}"
+    );
 
     // Trainers are tracked in status; a change in their number leaves the decoders alone.
-    eventually("two trainers in status", Duration::from_secs(30), || async {
-        let t = dps.get("vision").await.ok()?.status?.trainers;
-        (t.pods == 2 && t.injected == 2 && t.world_size == 2).then_some(())
-    })
+    eventually(
+        "two trainers in status",
+        Duration::from_secs(30),
+        || async {
+            let t = dps.get("vision").await.ok()?.status?.trainers;
+            (t.pods == 2 && t.injected == 2 && t.world_size == 2).then_some(())
+        },
+    )
     .await;
-    pods.delete("trainer-1", &DeleteParams::default().grace_period(0)).await.expect("delete trainer");
+    pods.delete("trainer-1", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("delete trainer");
     eventually("one trainer in status", Duration::from_secs(30), || async {
         let t = dps.get("vision").await.ok()?.status?.trainers;
         (t.pods == 1).then_some(())
     })
     .await;
     let decoders_after = uids(&wait_ready_decoders(&ns.client, &ns.name, "vision", 2).await);
-    assert_eq!(decoders_before, decoders_after, "trainer changes restarted decoders");
+    assert_eq!(
+        decoders_before, decoders_after,
+        "trainer changes restarted decoders"
+    );
 
     op.stop().await;
-    mwcs.delete(&mwc_name, &DeleteParams::default()).await.expect("delete mwc");
+    mwcs.delete(&mwc_name, &DeleteParams::default())
+        .await
+        .expect("delete mwc");
 }

@@ -109,7 +109,10 @@ pub struct Source {
 #[serde(rename_all = "camelCase")]
 pub struct S3Source {
     /// Bucket name; immutable, since a trainer mid-epoch cannot switch datasets.
-    #[schemars(length(min = 3, max = 63), regex(pattern = r"^[a-z0-9][a-z0-9.\-]*[a-z0-9]$"))]
+    #[schemars(
+        length(min = 3, max = 63),
+        regex(pattern = r"^[a-z0-9][a-z0-9.\-]*[a-z0-9]$")
+    )]
     #[x_kube(validation = kube::core::Rule::new("self == oldSelf").message("source.s3.bucket is immutable: create a new DataPipeline for another dataset"))]
     pub bucket: String,
     /// Key prefix of the samples.
@@ -137,7 +140,10 @@ pub struct S3Source {
 /// A Secret in the pipeline's namespace.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct SecretRef {
-    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"))]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
     pub name: String,
 }
 
@@ -245,7 +251,10 @@ pub struct Trainer {
     /// ServiceAccount of the trainer pods: the operator grants it read access to decoder pods
     /// so that the sidecar can discover them.
     #[serde(default = "default_sa")]
-    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"))]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
     pub service_account_name: String,
 }
 

@@ -35,15 +35,19 @@ where
         map.insert("apiVersion".into(), K::api_version(&()).into());
         map.insert("kind".into(), K::kind(&()).into());
     }
-    api.patch(&name, &PatchParams::apply(field_manager).force(), &Patch::Apply(&body))
-        .await
-        .map_err(|source| Error::Kube {
-            verb: "apply",
-            kind: short_kind::<K>(),
-            namespace,
-            name,
-            source,
-        })
+    api.patch(
+        &name,
+        &PatchParams::apply(field_manager).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .map_err(|source| Error::Kube {
+        verb: "apply",
+        kind: short_kind::<K>(),
+        namespace,
+        name,
+        source,
+    })
 }
 
 fn short_kind<K: Resource<DynamicType = ()>>() -> &'static str {
@@ -70,7 +74,12 @@ fn pod_err(verb: &'static str, api: &Api<Pod>, name: &str, source: kube::Error) 
 
 /// Takes a decoder out of discovery: the label change drops it from the Service selector and
 /// from the sidecars' selector; it is deleted once its drain period has passed.
-pub async fn drain(api: &Api<Pod>, name: &str, field_manager: &str, now: Timestamp) -> Result<(), Error> {
+pub async fn drain(
+    api: &Api<Pod>,
+    name: &str,
+    field_manager: &str,
+    now: Timestamp,
+) -> Result<(), Error> {
     let patch = json!({
         "metadata": {
             "labels": { LABEL_DRAINING: "true" },

@@ -75,7 +75,10 @@ fn drain_started(pod: &Pod) -> Option<Timestamp> {
 pub fn plan(pods: &[Pod], desired: usize, drain_seconds: u32, now: Timestamp) -> FleetPlan {
     let mut plan = FleetPlan::default();
     let mut serving: Vec<Member<'_>> = Vec::new();
-    for pod in pods.iter().filter(|p| p.metadata.deletion_timestamp.is_none()) {
+    for pod in pods
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+    {
         if is_failed(pod) {
             plan.delete.push(pod.name_any());
             plan.failed += 1;
@@ -247,7 +250,10 @@ mod tests {
         let p = plan(&pods, 1, 30, t(100));
         assert_eq!(p.delete, vec!["done"]);
         assert!(p.drain.is_empty());
-        assert_eq!(p.create, 0, "draining pods do not count as serving, nor block scale-up");
+        assert_eq!(
+            p.create, 0,
+            "draining pods do not count as serving, nor block scale-up"
+        );
         assert_eq!(p.requeue_after, Some(Duration::from_secs(20)));
     }
 

@@ -81,27 +81,30 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     }
     let ns = namespace.as_deref();
     let managed = watcher::Config::default().labels("app.kubernetes.io/managed-by=stoker-operator");
-    Controller::new(scoped::<DataPipeline>(&client, ns), watcher::Config::default())
-        .owns(
-            scoped::<Pod>(&client, ns),
-            watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_DECODER}")),
-        )
-        .owns(scoped::<Service>(&client, ns), managed.clone())
-        .owns(scoped::<ConfigMap>(&client, ns), managed.clone())
-        .owns(scoped::<NetworkPolicy>(&client, ns), managed)
-        // Trainer pods are not owned, but their count and injection show in the status.
-        .watches(
-            scoped::<Pod>(&client, ns),
-            watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_TRAINER}")),
-            |pod: Pod| {
-                let ns = pod.namespace()?;
-                pod.labels()
-                    .get(LABEL_PIPELINE)
-                    .map(|name| ObjectRef::<DataPipeline>::new(name).within(&ns))
-            },
-        )
-        .graceful_shutdown_on(shutdown.cancelled_owned())
-        .run(reconcile::reconcile, error_policy, ctx)
-        .for_each(|_| futures::future::ready(()))
-        .await;
+    Controller::new(
+        scoped::<DataPipeline>(&client, ns),
+        watcher::Config::default(),
+    )
+    .owns(
+        scoped::<Pod>(&client, ns),
+        watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_DECODER}")),
+    )
+    .owns(scoped::<Service>(&client, ns), managed.clone())
+    .owns(scoped::<ConfigMap>(&client, ns), managed.clone())
+    .owns(scoped::<NetworkPolicy>(&client, ns), managed)
+    // Trainer pods are not owned, but their count and injection show in the status.
+    .watches(
+        scoped::<Pod>(&client, ns),
+        watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_TRAINER}")),
+        |pod: Pod| {
+            let ns = pod.namespace()?;
+            pod.labels()
+                .get(LABEL_PIPELINE)
+                .map(|name| ObjectRef::<DataPipeline>::new(name).within(&ns))
+        },
+    )
+    .graceful_shutdown_on(shutdown.cancelled_owned())
+    .run(reconcile::reconcile, error_policy, ctx)
+    .for_each(|_| futures::future::ready(()))
+    .await;
 }

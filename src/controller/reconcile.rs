@@ -13,8 +13,8 @@ use kube::{Resource, ResourceExt};
 
 use super::build::{config_map, decoder_pod, network_policy, service, sidecar_rbac};
 use super::{Context, Error, FIELD_MANAGER, apply, fleet, status, trainers, validate};
-use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
 use crate::api::v1alpha1::AutoscalingMode;
+use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
 
 /// The pods of one pipeline, as listed from the API server (not a cache, so that a reconcile
 /// right after creating pods never creates them twice).
@@ -91,10 +91,12 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     let problems = validate::validate(&dp.spec, &ctx.defaults);
 
     // build
-    let build_err = |kind| move |source| Error::Build {
-        kind,
-        name: name.clone(),
-        source,
+    let build_err = |kind| {
+        move |source| Error::Build {
+            kind,
+            name: name.clone(),
+            source,
+        }
     };
     let config = config_map::config_map(dp).map_err(build_err("ConfigMap"))?;
     let svc = service::decoder_service(dp);

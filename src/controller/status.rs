@@ -7,16 +7,20 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use super::Error;
+use crate::api::DataPipeline;
 use crate::api::v1alpha1::{
     AutoscalingMode, DataPipelineStatus, DecoderFleetStatus, ScaleRecord, TrainerStatus,
 };
-use crate::api::DataPipeline;
 
 pub const READY: &str = "Ready";
 pub const DEGRADED: &str = "Degraded";
 /// The autoscaler's conditions; it reports Unknown until it has read signals.
-pub const AUTOSCALER_CONDITIONS: [&str; 4] =
-    ["Starved", "NetworkSaturated", "S3Throttled", "MetricsUnavailable"];
+pub const AUTOSCALER_CONDITIONS: [&str; 4] = [
+    "Starved",
+    "NetworkSaturated",
+    "S3Throttled",
+    "MetricsUnavailable",
+];
 
 /// Sets a condition, keeping its transition time when the status did not change.
 pub fn set_condition(
@@ -69,7 +73,10 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
         (
             "True",
             "DecodersReady",
-            format!("{}/{} decoders ready on {} nodes", fleet.ready, fleet.desired, fleet.nodes),
+            format!(
+                "{}/{} decoders ready on {} nodes",
+                fleet.ready, fleet.desired, fleet.nodes
+            ),
         )
     } else {
         (
@@ -78,7 +85,15 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
             format!("{}/{} decoders ready", fleet.ready, fleet.desired),
         )
     };
-    set_condition(&mut conditions, READY, ready, reason, message, generation, now);
+    set_condition(
+        &mut conditions,
+        READY,
+        ready,
+        reason,
+        message,
+        generation,
+        now,
+    );
 
     let (degraded, reason, message) = if !obs.problems.is_empty() {
         ("True", "InvalidSpec", obs.problems.join("; "))
@@ -91,7 +106,15 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
     } else {
         ("False", "AsExpected", "no problems seen".to_string())
     };
-    set_condition(&mut conditions, DEGRADED, degraded, reason, message, generation, now);
+    set_condition(
+        &mut conditions,
+        DEGRADED,
+        degraded,
+        reason,
+        message,
+        generation,
+        now,
+    );
 
     let (reason, message) = match dp.spec.autoscaling.mode {
         AutoscalingMode::Off => ("AutoscalingFixed", "autoscaling.mode is fixed"),
@@ -99,18 +122,30 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
     };
     for t in AUTOSCALER_CONDITIONS {
         // Keep what the autoscaler wrote; only fill in conditions nobody has set.
-        if !conditions.iter().any(|c| c.type_ == t) || dp.spec.autoscaling.mode == AutoscalingMode::Off {
-            set_condition(&mut conditions, t, "Unknown", reason, message.to_string(), generation, now);
+        if !conditions.iter().any(|c| c.type_ == t)
+            || dp.spec.autoscaling.mode == AutoscalingMode::Off
+        {
+            set_condition(
+                &mut conditions,
+                t,
+                "Unknown",
+                reason,
+                message.to_string(),
+                generation,
+                now,
+            );
         }
     }
 
     let last_scale = match previous.last_scale.clone() {
-        _ if previous.decoders.desired != fleet.desired && dp.status.is_some() => Some(ScaleRecord {
-            time: Time(now),
-            from: previous.decoders.desired,
-            to: fleet.desired,
-            reason: obs.scale_reason,
-        }),
+        _ if previous.decoders.desired != fleet.desired && dp.status.is_some() => {
+            Some(ScaleRecord {
+                time: Time(now),
+                from: previous.decoders.desired,
+                to: fleet.desired,
+                reason: obs.scale_reason,
+            })
+        }
         kept => kept,
     };
     DataPipelineStatus {

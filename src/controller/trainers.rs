@@ -29,7 +29,8 @@ fn is_injected(pod: &Pod) -> bool {
 pub fn trainer_status(trainers: &[Pod]) -> TrainerStatus {
     let live: Vec<&Pod> = trainers.iter().filter(|p| is_live(p)).collect();
     let pods = i32::try_from(live.len()).unwrap_or(i32::MAX);
-    let injected = i32::try_from(live.iter().filter(|p| is_injected(p)).count()).unwrap_or(i32::MAX);
+    let injected =
+        i32::try_from(live.iter().filter(|p| is_injected(p)).count()).unwrap_or(i32::MAX);
     let declared = live
         .iter()
         .filter_map(|p| {
@@ -54,10 +55,14 @@ mod tests {
     fn pod(world: Option<&str>, injected: bool) -> Pod {
         let mut p = Pod::default();
         if let Some(w) = world {
-            p.metadata.annotations = Some(BTreeMap::from([(ANNOTATION_WORLD_SIZE.to_string(), w.to_string())]));
+            p.metadata.annotations = Some(BTreeMap::from([(
+                ANNOTATION_WORLD_SIZE.to_string(),
+                w.to_string(),
+            )]));
         }
         if injected {
-            p.annotations_mut().insert(ANNOTATION_INJECTED.to_string(), "true".into());
+            p.annotations_mut()
+                .insert(ANNOTATION_INJECTED.to_string(), "true".into());
         }
         p
     }

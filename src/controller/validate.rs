@@ -6,9 +6,14 @@ use crate::controller::build::BuildDefaults;
 /// Problems that keep the pipeline from running as written; empty when it can.
 pub fn validate(spec: &DataPipelineSpec, defaults: &BuildDefaults) -> Vec<String> {
     let mut problems = Vec::new();
-    let image = spec.decoders.image.as_deref().unwrap_or(&defaults.loader_image);
+    let image = spec
+        .decoders
+        .image
+        .as_deref()
+        .unwrap_or(&defaults.loader_image);
     if image.trim().is_empty() {
-        problems.push("decoders.image is empty and the operator has no default loader image".into());
+        problems
+            .push("decoders.image is empty and the operator has no default loader image".into());
     }
     // Rules the API server also enforces, kept here for servers that skip CEL (or objects
     // written before a rule existed).

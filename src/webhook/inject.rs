@@ -5,8 +5,8 @@
 //! they can connect. Applying the patch to an already injected pod yields an empty patch.
 
 use k8s_openapi::api::core::v1::{
-    ConfigMapVolumeSource, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    HTTPGetAction, ObjectFieldSelector, Pod, Probe, ResourceRequirements, Volume, VolumeMount,
+    ConfigMapVolumeSource, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction,
+    ObjectFieldSelector, Pod, Probe, ResourceRequirements, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -14,7 +14,9 @@ use kube::ResourceExt;
 
 use crate::api::{ANNOTATION_INJECTED, DataPipeline, LABEL_ROLE, ROLE_TRAINER};
 use crate::controller::build::decoder_pod::{credentials_env_from, restricted_security_context};
-use crate::controller::build::{CONFIG_DIR, CONFIG_FILE, config_map_name, decoder_discovery_selector};
+use crate::controller::build::{
+    CONFIG_DIR, CONFIG_FILE, config_map_name, decoder_discovery_selector,
+};
 
 pub const SIDECAR_NAME: &str = "stoker-loader";
 pub const SHM_VOLUME: &str = "stoker-shm";
@@ -243,7 +245,8 @@ mod tests {
     }
 
     fn trainer() -> Pod {
-        serde_yaml::from_str(include_str!("../../tests/fixtures/trainer-pod.yaml")).expect("fixture")
+        serde_yaml::from_str(include_str!("../../tests/fixtures/trainer-pod.yaml"))
+            .expect("fixture")
     }
 
     fn cfg() -> InjectConfig {
@@ -265,23 +268,45 @@ mod tests {
         let pod = apply(&trainer(), &patch);
         let spec = pod.spec.as_ref().expect("spec");
         let inits = spec.init_containers.as_ref().expect("inits");
-        assert_eq!(inits.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), [SIDECAR_NAME, "fetch-checkpoint"]);
+        assert_eq!(
+            inits.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+            [SIDECAR_NAME, "fetch-checkpoint"]
+        );
         let sidecar = &inits[0];
         assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"));
-        let startup = sidecar.startup_probe.as_ref().and_then(|p| p.http_get.as_ref()).expect("startup probe");
+        let startup = sidecar
+            .startup_probe
+            .as_ref()
+            .and_then(|p| p.http_get.as_ref())
+            .expect("startup probe");
         assert_eq!(startup.path.as_deref(), Some("/readyz"));
         let args = sidecar.args.clone().expect("args").join(" ");
         assert!(args.contains("sidecar --pipeline qwen3vl-pretrain --namespace training"));
         assert!(args.contains("--discovery kubernetes --decoder-selector stoker.dev/pipeline=qwen3vl-pretrain,stoker.dev/role=decoder"));
-        let shm = spec.volumes.as_ref().expect("volumes").iter().find(|v| v.name == SHM_VOLUME).expect("shm");
+        let shm = spec
+            .volumes
+            .as_ref()
+            .expect("volumes")
+            .iter()
+            .find(|v| v.name == SHM_VOLUME)
+            .expect("shm");
         let dir = shm.empty_dir.as_ref().expect("emptyDir");
         assert_eq!(dir.medium.as_deref(), Some("Memory"));
         assert_eq!(dir.size_limit.as_ref().map(|q| q.0.as_str()), Some("2Gi"));
         for c in &spec.containers {
             let env = c.env.as_ref().expect("env");
-            assert!(env.iter().any(|e| e.name == "STOKER_SOCKET" && e.value.as_deref() == Some(SOCKET_PATH)));
+            assert!(
+                env.iter()
+                    .any(|e| e.name == "STOKER_SOCKET" && e.value.as_deref() == Some(SOCKET_PATH))
+            );
             assert!(env.iter().any(|e| e.name == "STOKER_SHM_DIR"));
-            assert!(c.volume_mounts.as_ref().expect("mounts").iter().any(|m| m.mount_path == SHM_DIR));
+            assert!(
+                c.volume_mounts
+                    .as_ref()
+                    .expect("mounts")
+                    .iter()
+                    .any(|m| m.mount_path == SHM_DIR)
+            );
         }
         assert_eq!(pod.labels()[LABEL_ROLE], ROLE_TRAINER);
         assert_eq!(pod.annotations()[ANNOTATION_INJECTED], "true");
@@ -294,13 +319,20 @@ mod tests {
         spec.init_containers = None;
         spec.volumes = None;
         let patched = apply(&pod, &injection_patch(&pod, &dp(), &cfg()).expect("patch"));
-        let inits = patched.spec.as_ref().and_then(|s| s.init_containers.clone()).expect("inits");
+        let inits = patched
+            .spec
+            .as_ref()
+            .and_then(|s| s.init_containers.clone())
+            .expect("inits");
         assert_eq!(inits.len(), 1);
     }
 
     #[test]
     fn reinvocation_is_a_no_op() {
-        let once = apply(&trainer(), &injection_patch(&trainer(), &dp(), &cfg()).expect("patch"));
+        let once = apply(
+            &trainer(),
+            &injection_patch(&trainer(), &dp(), &cfg()).expect("patch"),
+        );
         let again = injection_patch(&once, &dp(), &cfg()).expect("patch");
         assert!(again.0.is_empty(), "second patch: {again:?}");
     }
@@ -313,7 +345,10 @@ mod tests {
             .get_or_insert_with(Vec::new)
             .push(env("STOKER_SOCKET", "/custom.sock"));
         let patched = apply(&pod, &injection_patch(&pod, &dp(), &cfg()).expect("patch"));
-        let env = patched.spec.expect("spec").containers[0].env.clone().expect("env");
+        let env = patched.spec.expect("spec").containers[0]
+            .env
+            .clone()
+            .expect("env");
         let sockets: Vec<_> = env.iter().filter(|e| e.name == "STOKER_SOCKET").collect();
         assert_eq!(sockets.len(), 1);
         assert_eq!(sockets[0].value.as_deref(), Some("/custom.sock"));

@@ -104,7 +104,9 @@ impl Handler {
             }
             Err(e) => {
                 self.metrics.webhook("kube_api");
-                allow.deny(format!("stoker could not read DataPipeline \"{pipeline}\": {e}"))
+                allow.deny(format!(
+                    "stoker could not read DataPipeline \"{pipeline}\": {e}"
+                ))
             }
         }
     }
@@ -233,7 +235,9 @@ async fn refresh_certificate(
         }
         match load_certificate(&client, &config.tls).await {
             Ok(key) => store.replace(key),
-            Err(e) => tracing::warn!(error = %e, category = e.category(), "webhook certificate refresh failed"),
+            Err(e) => {
+                tracing::warn!(error = %e, category = e.category(), "webhook certificate refresh failed")
+            }
         }
     }
 }

@@ -14,8 +14,8 @@ use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, PostParams};
 use kube::Client;
+use kube::api::{Api, PostParams};
 use rustls::crypto::ring::sign::any_supported_type;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -139,7 +139,11 @@ pub fn issue(
         Some((ca_pem, ca_key_pem)) => {
             let key = KeyPair::from_pem(ca_key_pem)?;
             let key_pem = key.serialize_pem();
-            (ca_pem.to_string(), key_pem, Issuer::new(ca_params(now)?, key))
+            (
+                ca_pem.to_string(),
+                key_pem,
+                Issuer::new(ca_params(now)?, key),
+            )
         }
         None => {
             let key = KeyPair::generate()?;
@@ -181,7 +185,10 @@ pub fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<CertifiedKey
         return Err(TlsError::Pem("no certificate in PEM".into()));
     }
     let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsError::Pem(e.to_string()))?;
-    Ok(Arc::new(CertifiedKey::new(certs, any_supported_type(&key)?)))
+    Ok(Arc::new(CertifiedKey::new(
+        certs,
+        any_supported_type(&key)?,
+    )))
 }
 
 /// The certificate the server presents; swapped in place on rotation.
@@ -212,10 +219,22 @@ impl ResolvesServerCert for CertStore {
 
 fn secret_data(issued: &Issued) -> BTreeMap<String, ByteString> {
     BTreeMap::from([
-        (CA_KEY.to_string(), ByteString(issued.ca_pem.clone().into_bytes())),
-        (CA_PRIVATE_KEY.to_string(), ByteString(issued.ca_key_pem.clone().into_bytes())),
-        (CERT_KEY.to_string(), ByteString(issued.cert_pem.clone().into_bytes())),
-        (KEY_KEY.to_string(), ByteString(issued.key_pem.clone().into_bytes())),
+        (
+            CA_KEY.to_string(),
+            ByteString(issued.ca_pem.clone().into_bytes()),
+        ),
+        (
+            CA_PRIVATE_KEY.to_string(),
+            ByteString(issued.ca_key_pem.clone().into_bytes()),
+        ),
+        (
+            CERT_KEY.to_string(),
+            ByteString(issued.cert_pem.clone().into_bytes()),
+        ),
+        (
+            KEY_KEY.to_string(),
+            ByteString(issued.key_pem.clone().into_bytes()),
+        ),
     ])
 }
 
@@ -292,9 +311,14 @@ pub async fn ensure_secret(client: &Client, cfg: &SelfManaged) -> Result<Issued,
             metadata: ObjectMeta {
                 name: Some(cfg.secret_name.clone()),
                 namespace: Some(cfg.secret_namespace.clone()),
-                resource_version: existing.as_ref().and_then(|s| s.metadata.resource_version.clone()),
+                resource_version: existing
+                    .as_ref()
+                    .and_then(|s| s.metadata.resource_version.clone()),
                 annotations: Some(BTreeMap::from([
-                    (ANNOTATION_NOT_AFTER.to_string(), issued.not_after.to_string()),
+                    (
+                        ANNOTATION_NOT_AFTER.to_string(),
+                        issued.not_after.to_string(),
+                    ),
                     (
                         ANNOTATION_SANS.to_string(),
                         sans_label(&cfg.dns_names, &cfg.ip_addresses),
@@ -312,7 +336,10 @@ pub async fn ensure_secret(client: &Client, cfg: &SelfManaged) -> Result<Issued,
         };
         let written = match existing {
             None => api.create(&PostParams::default(), &secret).await,
-            Some(_) => api.replace(&cfg.secret_name, &PostParams::default(), &secret).await,
+            Some(_) => {
+                api.replace(&cfg.secret_name, &PostParams::default(), &secret)
+                    .await
+            }
         };
         match written {
             Ok(_) => {
@@ -382,8 +409,14 @@ mod tests {
         Secret {
             metadata: ObjectMeta {
                 annotations: Some(BTreeMap::from([
-                    (ANNOTATION_NOT_AFTER.to_string(), issued.not_after.to_string()),
-                    (ANNOTATION_SANS.to_string(), sans_label(&c.dns_names, &c.ip_addresses)),
+                    (
+                        ANNOTATION_NOT_AFTER.to_string(),
+                        issued.not_after.to_string(),
+                    ),
+                    (
+                        ANNOTATION_SANS.to_string(),
+                        sans_label(&c.dns_names, &c.ip_addresses),
+                    ),
                 ])),
                 ..ObjectMeta::default()
             },

@@ -24,9 +24,13 @@ pub async fn install_crd(client: &Client) {
         let api: Api<CustomResourceDefinition> = Api::all(client.clone());
         let crd = DataPipeline::crd();
         let name = crd.metadata.name.clone().expect("crd name");
-        api.patch(&name, &PatchParams::apply("stoker-tests").force(), &Patch::Apply(&crd))
-            .await
-            .expect("apply CRD");
+        api.patch(
+            &name,
+            &PatchParams::apply("stoker-tests").force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .expect("apply CRD");
         eventually("CRD established", Duration::from_secs(30), || async {
             let crd = api.get(&name).await.ok()?;
             let established = crd
@@ -39,9 +43,16 @@ pub async fn install_crd(client: &Client) {
         .await;
         // Discovery lags Established by a moment.
         let dps: Api<DataPipeline> = Api::all(client.clone());
-        eventually("DataPipelines listable", Duration::from_secs(30), || async {
-            dps.list(&ListParams::default().limit(1)).await.ok().map(|_| ())
-        })
+        eventually(
+            "DataPipelines listable",
+            Duration::from_secs(30),
+            || async {
+                dps.list(&ListParams::default().limit(1))
+                    .await
+                    .ok()
+                    .map(|_| ())
+            },
+        )
         .await;
     })
     .await;
@@ -58,7 +69,10 @@ where
         if let Some(v) = check().await {
             return v;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -150,11 +164,15 @@ pub async fn decoders(client: &Client, ns: &str, pipeline: &str) -> Vec<Pod> {
 
 /// Waits until exactly `n` serving decoders exist and all are Ready; returns them.
 pub async fn wait_ready_decoders(client: &Client, ns: &str, pipeline: &str, n: usize) -> Vec<Pod> {
-    eventually(&format!("{n} ready decoders of {pipeline}"), Duration::from_secs(90), || async {
-        let pods = decoders(client, ns, pipeline).await;
-        let serving: Vec<Pod> = pods.into_iter().filter(|p| !is_draining(p)).collect();
-        (serving.len() == n && serving.iter().all(is_ready)).then_some(serving)
-    })
+    eventually(
+        &format!("{n} ready decoders of {pipeline}"),
+        Duration::from_secs(90),
+        || async {
+            let pods = decoders(client, ns, pipeline).await;
+            let serving: Vec<Pod> = pods.into_iter().filter(|p| !is_draining(p)).collect();
+            (serving.len() == n && serving.iter().all(is_ready)).then_some(serving)
+        },
+    )
     .await
 }
 
@@ -180,6 +198,8 @@ pub fn skew_over_cpu_nodes(pods: &[Pod]) -> usize {
         counts.keys().all(|n| n.starts_with("cpu-")),
         "decoders must land on CPU nodes only: {counts:?}"
     );
-    let all: Vec<usize> = (0..8).map(|i| counts.get(&format!("cpu-{i}")).copied().unwrap_or(0)).collect();
+    let all: Vec<usize> = (0..8)
+        .map(|i| counts.get(&format!("cpu-{i}")).copied().unwrap_or(0))
+        .collect();
     all.iter().max().copied().unwrap_or(0) - all.iter().min().copied().unwrap_or(0)
 }

@@ -93,7 +93,11 @@ pub fn decoder_pod_spec(dp: &DataPipeline, defaults: &BuildDefaults) -> PodSpec 
     }
     let container = Container {
         name: DECODER_CONTAINER.to_string(),
-        image: Some(d.image.clone().unwrap_or_else(|| defaults.loader_image.clone())),
+        image: Some(
+            d.image
+                .clone()
+                .unwrap_or_else(|| defaults.loader_image.clone()),
+        ),
         args: Some(
             [
                 "decode",

@@ -74,8 +74,14 @@ pub fn decoder_discovery_selector(pipeline: &str) -> String {
 pub fn common_labels(dp: &DataPipeline) -> BTreeMap<String, String> {
     BTreeMap::from([
         (LABEL_PIPELINE.to_string(), dp.name_any()),
-        ("app.kubernetes.io/managed-by".to_string(), "stoker-operator".to_string()),
-        ("app.kubernetes.io/part-of".to_string(), "stoker".to_string()),
+        (
+            "app.kubernetes.io/managed-by".to_string(),
+            "stoker-operator".to_string(),
+        ),
+        (
+            "app.kubernetes.io/part-of".to_string(),
+            "stoker".to_string(),
+        ),
     ])
 }
 
@@ -105,40 +111,73 @@ mod tests {
     use k8s_openapi::api::core::v1::Pod;
 
     fn dp() -> DataPipeline {
-        serde_yaml::from_str(include_str!("../../../tests/fixtures/datapipeline-crop.yaml"))
-            .expect("fixture")
+        serde_yaml::from_str(include_str!(
+            "../../../tests/fixtures/datapipeline-crop.yaml"
+        ))
+        .expect("fixture")
     }
 
     #[test]
     fn decoder_pod_carries_the_pipeline_settings() {
         let dp = dp();
         let pod: Pod = decoder_pod::decoder_pod(&dp, "abcde", &BuildDefaults::default());
-        assert_eq!(pod.metadata.name.as_deref(), Some("qwen3vl-pretrain-decoder-abcde"));
+        assert_eq!(
+            pod.metadata.name.as_deref(),
+            Some("qwen3vl-pretrain-decoder-abcde")
+        );
         let labels = pod.metadata.labels.clone().expect("labels");
         assert_eq!(labels[LABEL_ROLE], ROLE_DECODER);
         assert_eq!(labels[LABEL_DRAINING], "false");
         let owner = &pod.metadata.owner_references.as_ref().expect("owner")[0];
-        assert_eq!((owner.kind.as_str(), owner.controller), ("DataPipeline", Some(true)));
+        assert_eq!(
+            (owner.kind.as_str(), owner.controller),
+            ("DataPipeline", Some(true))
+        );
         let spec = pod.spec.expect("spec");
-        assert_eq!(spec.node_selector.expect("selector")["stoker.dev/pool"], "cpu");
+        assert_eq!(
+            spec.node_selector.expect("selector")["stoker.dev/pool"],
+            "cpu"
+        );
         assert_eq!(spec.tolerations.expect("tolerations").len(), 1);
         let spread = spec.topology_spread_constraints.expect("spread");
         let keys: Vec<_> = spread.iter().map(|c| c.topology_key.as_str()).collect();
-        assert_eq!(keys, ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]);
-        assert!(spread.iter().all(|c| c.node_taints_policy.as_deref() == Some("Honor")
-            && c.when_unsatisfiable == "DoNotSchedule"
-            && c.max_skew == 1));
+        assert_eq!(
+            keys,
+            ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+        );
+        assert!(
+            spread
+                .iter()
+                .all(|c| c.node_taints_policy.as_deref() == Some("Honor")
+                    && c.when_unsatisfiable == "DoNotSchedule"
+                    && c.max_skew == 1)
+        );
         let c = &spec.containers[0];
         let args = c.args.clone().expect("args").join(" ");
         assert!(args.starts_with("decode --listen 0.0.0.0:50051 --metrics 0.0.0.0:9090"));
-        let probe = c.readiness_probe.as_ref().and_then(|p| p.http_get.as_ref()).expect("probe");
+        let probe = c
+            .readiness_probe
+            .as_ref()
+            .and_then(|p| p.http_get.as_ref())
+            .expect("probe");
         assert_eq!(probe.path.as_deref(), Some("/readyz"));
         let sc = c.security_context.as_ref().expect("security context");
         assert_eq!(sc.read_only_root_filesystem, Some(true));
         assert_eq!(sc.allow_privilege_escalation, Some(false));
-        let requests = c.resources.as_ref().and_then(|r| r.requests.clone()).expect("requests");
+        let requests = c
+            .resources
+            .as_ref()
+            .and_then(|r| r.requests.clone())
+            .expect("requests");
         assert_eq!(requests["cpu"].0, "4");
-        assert_eq!(c.env_from.as_ref().expect("creds")[0].secret_ref.as_ref().expect("secret").name, "s3-creds");
+        assert_eq!(
+            c.env_from.as_ref().expect("creds")[0]
+                .secret_ref
+                .as_ref()
+                .expect("secret")
+                .name,
+            "s3-creds"
+        );
     }
 
     #[test]
@@ -148,7 +187,9 @@ mod tests {
         let mut changed = dp();
         changed.spec.decoders.image = Some("registry.local/loader:2".into());
         let c = decoder_pod::decoder_pod(&changed, "ccccc", &BuildDefaults::default());
-        let hash = |p: &Pod| p.metadata.labels.as_ref().expect("labels")[crate::api::LABEL_TEMPLATE_HASH].clone();
+        let hash = |p: &Pod| {
+            p.metadata.labels.as_ref().expect("labels")[crate::api::LABEL_TEMPLATE_HASH].clone()
+        };
         assert_eq!(hash(&a), hash(&b));
         assert_ne!(hash(&a), hash(&c));
     }
@@ -159,7 +200,10 @@ mod tests {
         let selector = svc.spec.expect("spec").selector.expect("selector");
         assert_eq!(selector[LABEL_DRAINING], "false");
         assert_eq!(selector[LABEL_ROLE], ROLE_DECODER);
-        assert_eq!(svc.metadata.name.as_deref(), Some("qwen3vl-pretrain-decoders"));
+        assert_eq!(
+            svc.metadata.name.as_deref(),
+            Some("qwen3vl-pretrain-decoders")
+        );
     }
 
     #[test]
