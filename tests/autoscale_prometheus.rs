@@ -1,0 +1,444 @@
+//! The autoscaler's query layer against a real Prometheus server: a tiny exporter in the test
+//! serves the sidecar, loader and node-exporter series with counters growing at known rates,
+//! Prometheus scrapes it every second, and `PrometheusSignals::read` must return those rates.
+//!
+//! Needs the `prometheus` binary (Debian's package; `scripts/deps.sh` installs it), or its
+//! path in `STOKER_PROMETHEUS`.
+
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::jiff::Timestamp;
+use stoker_operator::autoscale::prometheus::{PrometheusSignals, QueryTemplates, SignalScope};
+use stoker_operator::autoscale::{Autoscaler, AutoscalingPolicy, DecoderFleet, Signals};
+
+const NS: &str = "training";
+const PIPELINE: &str = "qwen";
+const DECODED: f64 = 602_112.0;
+const ENCODED: f64 = 100_000.0;
+
+/// One counter: its labels and how fast it grows per second.
+struct Series {
+    name: &'static str,
+    labels: String,
+    per_second: f64,
+}
+
+fn series(name: &'static str, labels: &str, per_second: f64) -> Series {
+    Series {
+        name,
+        labels: labels.to_string(),
+        per_second,
+    }
+}
+
+fn pod_labels(pipeline: &str, pod: &str, role: &str) -> String {
+    format!(r#"namespace="{NS}",pipeline="{pipeline}",pod="{pod}",role="{role}""#)
+}
+
+/// What the exporter serves: two trainers, two decoders of the pipeline, one decoder of another
+/// pipeline that must not count, and two nodes' NICs plus a loopback that must not count.
+fn exposition() -> (Vec<Series>, Vec<(&'static str, String, f64)>) {
+    let t0 = pod_labels(PIPELINE, "trainer-0", "trainer");
+    let t1 = pod_labels(PIPELINE, "trainer-1", "trainer");
+    let a = pod_labels(PIPELINE, "decoder-a", "decoder");
+    let b = pod_labels(PIPELINE, "decoder-b", "decoder");
+    let other = pod_labels("other", "decoder-x", "decoder");
+    let counters = vec![
+        series("stoker_trainer_data_wait_seconds_total", &t0, 0.2),
+        series("stoker_trainer_data_wait_seconds_total", &t1, 0.3),
+        series("stoker_sidecar_samples_delivered_total", &t0, 100.0),
+        series("stoker_sidecar_samples_delivered_total", &t1, 140.0),
+        series("stoker_loader_samples_out_total", &a, 60.0),
+        series("stoker_loader_samples_out_total", &b, 80.0),
+        series("stoker_loader_samples_out_total", &other, 5000.0),
+        series("stoker_loader_busy_seconds_total", &a, 2.0),
+        series("stoker_loader_busy_seconds_total", &b, 3.0),
+        series("stoker_loader_busy_seconds_total", &other, 4.0),
+        series("stoker_loader_bytes_out_total", &a, 60.0 * DECODED),
+        series("stoker_loader_bytes_out_total", &b, 80.0 * DECODED),
+        series("stoker_loader_bytes_in_total", &a, 60.0 * ENCODED),
+        series("stoker_loader_bytes_in_total", &b, 80.0 * ENCODED),
+        series("stoker_loader_s3_throttles_total", &a, 0.5),
+        series("stoker_loader_s3_throttles_total", &b, 1.0),
+        series("stoker_loader_s3_throttles_total", &other, 50.0),
+        series(
+            "stoker_loader_s3_requests_total",
+            &format!(r#"{a},op="get""#),
+            100.0,
+        ),
+        series(
+            "stoker_loader_s3_requests_total",
+            &format!(r#"{b},op="get""#),
+            200.0,
+        ),
+        series(
+            "node_network_receive_bytes_total",
+            r#"device="eth0",node="cpu-1""#,
+            1.0e6,
+        ),
+        series(
+            "node_network_transmit_bytes_total",
+            r#"device="eth0",node="cpu-1""#,
+            8.0e8,
+        ),
+        series(
+            "node_network_receive_bytes_total",
+            r#"device="lo",node="cpu-1""#,
+            9.0e9,
+        ),
+        series(
+            "node_network_receive_bytes_total",
+            r#"device="ens5",node="gpu-1""#,
+            5.0e8,
+        ),
+        series(
+            "node_network_transmit_bytes_total",
+            r#"device="ens5",node="gpu-1""#,
+            1.0e6,
+        ),
+    ];
+    let gauges = vec![
+        ("stoker_loader_pool_threads", a.clone(), 4.0),
+        ("stoker_loader_pool_threads", b.clone(), 4.0),
+        ("stoker_loader_pool_threads", other.clone(), 4.0),
+        (
+            "node_network_speed_bytes",
+            r#"device="eth0",node="cpu-1""#.to_string(),
+            1.25e9,
+        ),
+    ];
+    (counters, gauges)
+}
+
+/// The text format, counters at `per_second × seconds since start`.
+fn render(start: Instant) -> String {
+    let elapsed = start.elapsed().as_secs_f64();
+    let (counters, gauges) = exposition();
+    let mut out = String::new();
+    let mut typed = std::collections::BTreeSet::new();
+    for s in counters {
+        if typed.insert(s.name) {
+            out.push_str(&format!("# TYPE {} counter\n", s.name));
+        }
+        out.push_str(&format!(
+            "{}{{{}}} {}\n",
+            s.name,
+            s.labels,
+            s.per_second * elapsed
+        ));
+    }
+    for (name, labels, value) in gauges {
+        if typed.insert(name) {
+            out.push_str(&format!("# TYPE {name} gauge\n"));
+        }
+        out.push_str(&format!("{name}{{{labels}}} {value}\n"));
+    }
+    out
+}
+
+async fn serve_exporter() -> SocketAddr {
+    let start = Arc::new(Instant::now());
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let start = start.clone();
+            async move { render(*start) }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind exporter");
+    let addr = listener.local_addr().expect("exporter address");
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    addr
+}
+
+/// Successful scrapes of the exporter in the last 8 seconds: 8 means the 5 s window and the
+/// scrape that lags behind it hold only real samples.
+async fn scraped_seconds(url: &str) -> f64 {
+    let Ok(client) = prometheus_http_query::Client::try_from(url) else {
+        return 0.0;
+    };
+    let Ok(result) = client.query("sum_over_time(up[8s])").get().await else {
+        return 0.0;
+    };
+    result
+        .data()
+        .as_vector()
+        .and_then(|v| v.first())
+        .map_or(0.0, |s| s.sample().value())
+}
+
+/// A Prometheus process, killed (and its data removed) on drop.
+struct Prometheus {
+    child: Child,
+    dir: PathBuf,
+    url: String,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn prometheus_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("STOKER_PROMETHEUS") {
+        return PathBuf::from(p);
+    }
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("prometheus"))
+            .find(|p| p.is_file())
+    });
+    match found {
+        Some(p) => p,
+        None => panic!(
+            "the `prometheus` binary is not on PATH: run scripts/deps.sh (installs Debian's \
+             prometheus package without starting its service) or set STOKER_PROMETHEUS"
+        ),
+    }
+}
+
+fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn start_prometheus(target: SocketAddr) -> Prometheus {
+    let binary = prometheus_binary();
+    let dir = std::env::temp_dir().join(format!("stoker-prometheus-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create the Prometheus directory");
+    // honor_labels: the exporter stands in for many pods and names them itself, as relabelling
+    // from Kubernetes discovery would.
+    let config = format!(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: stoker\n    honor_labels: true\n    scrape_interval: 1s\n    static_configs:\n      - targets: ['{target}']\n"
+    );
+    let config_path = dir.join("prometheus.yml");
+    std::fs::write(&config_path, config).expect("write the Prometheus config");
+    let port = free_port();
+    let log = std::fs::File::create(dir.join("prometheus.log")).expect("log file");
+    let child = Command::new(&binary)
+        .arg(format!("--config.file={}", config_path.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("data").display()
+        ))
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
+    Prometheus {
+        child,
+        dir,
+        url: format!("http://127.0.0.1:{port}"),
+    }
+}
+
+fn close(actual: Option<f64>, expected: f64, what: &str) {
+    let v = actual.unwrap_or_else(|| panic!("{what}: absent"));
+    assert!(
+        (v - expected).abs() <= 0.03 * expected.abs().max(1e-9),
+        "{what}: {v} is not {expected} ± 3%"
+    );
+}
+
+fn complete(s: &Signals) -> bool {
+    s.data_wait_share.is_some()
+        && s.consumption_per_second.is_some()
+        && s.decoders.len() == 2
+        && s.decoders.values().all(|d| d.busy_share > 0.0)
+        && s.nodes
+            .get("cpu-1")
+            .is_some_and(|n| n.link_bytes_per_second.is_some())
+        && s.s3_requests_per_second.is_some()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signals_from_a_real_prometheus() {
+    let exporter = serve_exporter().await;
+    let prometheus = start_prometheus(exporter);
+    let reader = PrometheusSignals::new(
+        &prometheus.url,
+        QueryTemplates::default(),
+        Duration::from_secs(2),
+    )
+    .expect("client");
+    let scope = SignalScope {
+        namespace: NS.to_string(),
+        pipeline: PIPELINE.to_string(),
+        trainer_pods: vec!["trainer-0".into(), "trainer-1".into()],
+        nodes: vec!["cpu-1".into(), "gpu-1".into()],
+        window: Duration::from_secs(5),
+    };
+
+    // Prometheus needs a few scrapes before rate() has two samples of every series.
+    let deadline = Instant::now() + Duration::from_secs(25);
+    let signals = loop {
+        match reader.read(&scope).await {
+            // rate() divides by the whole window: it must hold only scraped samples.
+            Ok(s) if complete(&s) && scraped_seconds(&prometheus.url).await >= 8.0 => {
+                break s;
+            }
+            last => {
+                if Instant::now() > deadline {
+                    let log = std::fs::read_to_string(prometheus.dir.join("prometheus.log"))
+                        .unwrap_or_default();
+                    panic!("no complete signals within 25 s: {last:?}\nPrometheus log:\n{log}");
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    };
+
+    close(
+        signals.data_wait_share,
+        0.25,
+        "data wait (mean of 20% and 30%)",
+    );
+    close(
+        signals.consumption_per_second,
+        240.0,
+        "consumption (100 + 140)",
+    );
+    assert_eq!(signals.trainers_reporting, Some(2));
+    assert_eq!(
+        signals.gpu_utilization_percent, None,
+        "no dcgm-exporter: absent, no error"
+    );
+    let pods: Vec<&str> = signals.decoders.keys().map(String::as_str).collect();
+    assert_eq!(
+        pods,
+        ["decoder-a", "decoder-b"],
+        "only this pipeline's decoders"
+    );
+    close(
+        Some(signals.decoders["decoder-a"].samples_per_second),
+        60.0,
+        "decoder-a rate",
+    );
+    close(
+        Some(signals.decoders["decoder-a"].busy_share),
+        0.5,
+        "decoder-a busy (2 s/s of 4 threads)",
+    );
+    close(
+        Some(signals.decoders["decoder-b"].busy_share),
+        0.75,
+        "decoder-b busy",
+    );
+    close(
+        signals.decoded_bytes_per_sample,
+        DECODED,
+        "decoded bytes per sample",
+    );
+    close(
+        signals.encoded_bytes_per_sample,
+        ENCODED,
+        "encoded bytes per sample",
+    );
+    close(
+        signals.s3_throttles_per_second,
+        1.5,
+        "S3 throttles of this pipeline",
+    );
+    close(signals.s3_requests_per_second, 300.0, "S3 requests");
+    let cpu = signals.nodes["cpu-1"];
+    close(
+        Some(cpu.receive_bytes_per_second),
+        1.0e6,
+        "cpu-1 receive without loopback",
+    );
+    close(Some(cpu.transmit_bytes_per_second), 8.0e8, "cpu-1 transmit");
+    assert_eq!(cpu.link_bytes_per_second, Some(1.25e9));
+    let gpu = signals.nodes["gpu-1"];
+    close(Some(gpu.receive_bytes_per_second), 5.0e8, "gpu-1 receive");
+    assert_eq!(
+        gpu.link_bytes_per_second, None,
+        "no speed series: the annotation or default applies"
+    );
+
+    // The signals drive a decision: data wait 25% > 5%, demand 240 ÷ 0.75 = 320/s, 140 samples/s
+    // over 1.25 busy decoders = 112/s each: 320 × 1.2 ÷ 112 → 4 decoders. cpu-1 sends 64% of its
+    // link: under the 80% limit, nothing is moved.
+    let fleet = DecoderFleet {
+        replicas: 2,
+        pods: [("decoder-a", "cpu-1"), ("decoder-b", "cpu-1")]
+            .into_iter()
+            .map(|(p, n)| (p.to_string(), n.to_string()))
+            .collect(),
+        trainers: 2,
+        trainer_nodes: [("gpu-1".to_string(), 2)].into_iter().collect(),
+        node_link_bytes_per_second: [("gpu-1".to_string(), 12.5e9)].into_iter().collect(),
+    };
+    let policy = AutoscalingPolicy {
+        min_replicas: 1,
+        max_replicas: 10,
+        ..AutoscalingPolicy::default()
+    };
+    let d = Autoscaler::default().step(
+        "training/qwen",
+        &policy,
+        &fleet,
+        Some(&signals),
+        Timestamp::now(),
+    );
+    assert_eq!(d.replicas, 4, "{}", d.reason);
+    assert!(d.conditions.starved && !d.conditions.metrics_unavailable);
+    assert!(d.move_pods.is_empty() && d.avoid_nodes.is_empty(), "{d:?}");
+}
+
+#[tokio::test]
+async fn prometheus_unreachable_keeps_the_size() {
+    let port = free_port();
+    let reader = PrometheusSignals::new(
+        &format!("http://127.0.0.1:{port}"),
+        QueryTemplates::default(),
+        Duration::from_secs(2),
+    )
+    .expect("client");
+    let scope = SignalScope {
+        namespace: NS.to_string(),
+        pipeline: PIPELINE.to_string(),
+        trainer_pods: vec![],
+        nodes: vec![],
+        window: Duration::from_secs(60),
+    };
+    let err = reader
+        .read(&scope)
+        .await
+        .expect_err("nothing listens there");
+    assert_eq!(err.category(), "prometheus_unreachable", "{err}");
+
+    let fleet = DecoderFleet {
+        replicas: 7,
+        trainers: 4,
+        ..DecoderFleet::default()
+    };
+    let d = Autoscaler::default().step(
+        "training/qwen",
+        &AutoscalingPolicy::default(),
+        &fleet,
+        None,
+        Timestamp::now(),
+    );
+    assert_eq!(d.replicas, 7, "{}", d.reason);
+    let unavailable = d
+        .condition_reports()
+        .into_iter()
+        .find(|c| c.type_ == "MetricsUnavailable")
+        .expect("the condition is reported");
+    assert_eq!(unavailable.status, "True");
+}
