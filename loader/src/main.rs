@@ -29,7 +29,7 @@ enum Command {
     /// Send a dataset through decode workers as batches and report images/s.
     Bench(bench::BenchArgs),
     /// Next to the trainer: epoch order, prefetch across decode workers, shared-memory hand-off.
-    Sidecar(SidecarCmd),
+    Sidecar(Box<SidecarCmd>),
 }
 
 #[derive(Args, Debug)]
@@ -242,9 +242,10 @@ async fn shutdown_signal() {
     }
 }
 
-async fn sidecar(args: SidecarCmd) -> anyhow::Result<()> {
+async fn sidecar(args: Box<SidecarCmd>) -> anyhow::Result<()> {
     let transform = args.transform.transform()?;
-    stoker_loader::sidecar::run(args.sidecar, args.s3.config(), transform, shutdown_signal())
+    let SidecarCmd { sidecar, s3, .. } = *args;
+    stoker_loader::sidecar::run(sidecar, s3.config(), transform, shutdown_signal())
         .await?;
     Ok(())
 }

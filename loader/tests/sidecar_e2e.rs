@@ -91,7 +91,7 @@ fn killing_decode_workers_mid_epoch_loses_no_sample_and_stalls_boundedly() {
     let server = S3Server::start(dir.path().join("s3")).unwrap();
     // Larger images so that the epoch lasts long enough to kill workers in the middle of it.
     let keys = dataset(&server, 80, 800, 600);
-    let mut workers = vec![decode_worker(&server), decode_worker(&server), decode_worker(&server)];
+    let mut workers = [decode_worker(&server), decode_worker(&server), decode_worker(&server)];
     let refs: Vec<&DecodeWorkerProc> = workers.iter().collect();
     let timeout_s = 3.0;
     let sc = sidecar(

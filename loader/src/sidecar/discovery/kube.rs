@@ -99,7 +99,7 @@ mod tests {
     use super::*;
 
     fn pod(ready: &str, ip: Option<&str>, draining: Option<&str>) -> Pod {
-        let labels = draining.map(|d| {
+        let labels: Option<std::collections::BTreeMap<String, String>> = draining.map(|d| {
             [(DRAINING_LABEL.to_string(), d.to_string())]
                 .into_iter()
                 .collect()
