@@ -21,6 +21,37 @@
 //!
 //! Needs root (network namespaces). Everything the runtime creates is removed when it is
 //! dropped or [`NodeRuntime::shutdown`]; what a killed runtime left is removed by the next one.
+//!
+//! One runtime per control plane, started right after it (pods created earlier got pod IPs
+//! outside the nodes' CIDRs and are not run). The demo:
+//!
+//! ```no_run
+//! # fn main() -> anyhow::Result<()> {
+//! use stoker_testenv::cluster::{ControlPlane, Options};
+//! use stoker_testenv::prometheus::{Prometheus, PrometheusOptions};
+//! use stoker_testenv::runtime::{ImageMapping, NodeRuntime, RuntimeOptions};
+//! use stoker_testenv::s3::S3ServerConfig;
+//! use std::time::Duration;
+//!
+//! let cp = ControlPlane::start(Options::default())?;
+//! let runtime = NodeRuntime::start(&cp, RuntimeOptions {
+//!     // loader_bin: $STOKER_LOADER_BIN or target/<profile>/stoker-loader by default
+//!     images: vec![ImageMapping::new("*stoker-sim-trainer*", ["python3", "demo/trainer.py"])],
+//!     ..RuntimeOptions::default()
+//! })?;
+//! let s3 = runtime.start_s3(S3ServerConfig::new("/tmp/stoker-demo-s3"))?;
+//! // DataPipeline spec.source.s3.endpoint = s3.endpoint() (http://10.213.31.1:PORT)
+//! let prometheus = Prometheus::start(PrometheusOptions {
+//!     scrape_interval: Duration::from_secs(2),
+//!     ..PrometheusOptions::new(runtime.sd_dir())
+//! })?;
+//! // the operator reads prometheus.url()
+//! # Ok(()) }
+//! ```
+//!
+//! An e2e test on the shared control plane:
+//! `let rt = NodeRuntime::shared(RuntimeOptions::default);`
+//! `let prom = Prometheus::shared(|| PrometheusOptions::new(rt.sd_dir()));`
 
 pub mod exporter;
 pub mod net;
@@ -120,7 +151,17 @@ pub struct NodeRuntime {
 
 impl NodeRuntime {
     /// Creates the nodes' network, sets their pod CIDRs and starts running their pods.
+    ///
+    /// Blocking; callable from async code too (the set-up runs on a thread of its own).
     pub fn start(cp: &ControlPlane, options: RuntimeOptions) -> Result<NodeRuntime> {
+        std::thread::scope(|s| {
+            s.spawn(|| Self::start_blocking(cp, options))
+                .join()
+                .map_err(|_| anyhow!("node runtime start-up panicked"))?
+        })
+    }
+
+    fn start_blocking(cp: &ControlPlane, options: RuntimeOptions) -> Result<NodeRuntime> {
         // SAFETY: geteuid(2) has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             bail!("the node runtime needs root (network namespaces, tc)");
@@ -337,13 +378,8 @@ impl NodeRuntime {
             }
         }
         let result = SHARED.get_or_init(|| {
-            let cp = ControlPlane::shared();
-            let options = options();
-            let started = std::thread::spawn(move || {
-                NodeRuntime::start(cp, options).map_err(|e| format!("{e:#}"))
-            })
-            .join()
-            .unwrap_or_else(|_| Err("node runtime start-up panicked".into()));
+            let started =
+                NodeRuntime::start(ControlPlane::shared(), options()).map_err(|e| format!("{e:#}"));
             if started.is_ok() {
                 // SAFETY: registers a plain function to run at exit.
                 unsafe { libc::atexit(stop_shared) };

@@ -206,6 +206,9 @@ impl PodRun {
                     None => anyhow::bail!("secret {namespace}/{secret_name} not found"),
                 }
                 write_volume(&dir, files, secret.items.as_deref())?;
+            } else if volume.projected.is_some() {
+                // The service-account token volume: processes use KUBECONFIG instead.
+                tracing::debug!(pod = %name, volume = %volume.name, "projected volume left empty");
             } else if volume.empty_dir.is_none() {
                 tracing::warn!(pod = %name, volume = %volume.name, "volume kind not supported by the node runtime; an empty directory stands in");
             }
