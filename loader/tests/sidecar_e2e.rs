@@ -253,3 +253,44 @@ fn readiness_metrics_and_the_local_share_endpoint() {
     assert!(metric(&text, "stoker_sidecar_bytes_received_total") > 0.0);
     assert_eq!(metric(&text, "stoker_sidecar_local_share"), 1.0);
 }
+
+#[test]
+fn a_hung_decode_worker_costs_at_most_the_batch_timeout() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path().join("s3")).unwrap();
+    let keys = dataset(&server, 60, 640, 480);
+    let mut hung = decode_worker(&server);
+    let healthy = decode_worker(&server);
+    let sc = sidecar(
+        &server,
+        dir.path(),
+        &[&hung, &healthy],
+        &["--batch-timeout-secs", "2", "--prefetch-batches", "4", "--no-local-fallback"],
+    );
+    let mut client = sc.connect();
+    let mut gaps = Vec::new();
+    let mut last = Instant::now();
+    let pid = hung.proc.pid();
+    let epoch = consume_epoch(&mut client, |i, _| {
+        gaps.push(last.elapsed());
+        if i == 2 {
+            // SIGSTOP: the connection stays open and requests get no answer, unlike kill -9.
+            unsafe {
+                libc::kill(pid, libc::SIGSTOP);
+            }
+        }
+        last = Instant::now();
+    });
+    unsafe {
+        libc::kill(pid, libc::SIGCONT);
+    }
+    hung.proc.kill9();
+    let mut got = epoch.keys();
+    got.sort();
+    assert_eq!(got, keys, "every sample exactly once");
+    let worst = gaps.iter().max().copied().unwrap_or_default();
+    eprintln!("worst wait between batches with a hung worker: {worst:?}");
+    assert!(worst < Duration::from_secs(2 + 4), "stall {worst:?} is not bounded by the 2 s timeout");
+    assert!(sc.metric("stoker_sidecar_retries_total{reason=\"timeout\"}") >= 1.0);
+}
