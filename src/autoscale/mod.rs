@@ -20,9 +20,12 @@ pub mod signals;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 
 use crate::api::v1alpha1::{DataPipelineSpec, ObservedSignals};
+use prometheus::SignalScope;
 
 pub use policy::{
     AutoscalingPolicy, DecoderFleet, ScaleConditions, ScaleDecision, ScaleHistory, decide,
@@ -50,6 +53,77 @@ impl AutoscalingPolicy {
             max_scale_up_step: count(a.max_scale_up_step).max(1),
             max_scale_down_step: count(a.max_scale_down_step).max(1),
             ..Self::default()
+        }
+    }
+}
+
+/// A node's link speed in gigabits per second, for nodes whose node-exporter reports none.
+pub const ANNOTATION_NIC_GBPS: &str = "stoker.dev/nic-gbps";
+
+impl DecoderFleet {
+    /// The fleet as the controller observed it: `replicas` is the count in effect
+    /// (`status.decoders.desired`), `world_size` the trainers' declared world size. Pods that
+    /// are terminating or not yet scheduled have no node and place nothing.
+    pub fn observe(
+        replicas: i32,
+        decoders: &[Pod],
+        trainers: &[Pod],
+        world_size: i32,
+        nodes: &[Node],
+    ) -> Self {
+        let node_of = |p: &Pod| p.spec.as_ref().and_then(|s| s.node_name.clone());
+        let live = |p: &&Pod| p.metadata.deletion_timestamp.is_none();
+        let mut trainer_nodes: BTreeMap<String, u32> = BTreeMap::new();
+        for node in trainers.iter().filter(live).filter_map(node_of) {
+            *trainer_nodes.entry(node).or_default() += 1;
+        }
+        Self {
+            replicas: u32::try_from(replicas).unwrap_or(0),
+            pods: decoders
+                .iter()
+                .filter(live)
+                .filter_map(|p| node_of(p).map(|n| (p.name_any(), n)))
+                .collect(),
+            trainers: u32::try_from(world_size).unwrap_or(0),
+            trainer_nodes,
+            node_link_bytes_per_second: nodes
+                .iter()
+                .filter_map(|n| {
+                    let gbps: f64 = n
+                        .annotations()
+                        .get(ANNOTATION_NIC_GBPS)?
+                        .trim()
+                        .parse()
+                        .ok()?;
+                    (gbps.is_finite() && gbps > 0.0)
+                        .then(|| (n.name_any(), signals::gbps_to_bytes_per_second(gbps)))
+                })
+                .collect(),
+        }
+    }
+
+    /// What to ask Prometheus about this fleet.
+    pub fn scope(
+        &self,
+        namespace: &str,
+        pipeline: &str,
+        trainer_pods: &[Pod],
+        window: Duration,
+    ) -> SignalScope {
+        let mut nodes: Vec<String> = self
+            .pods
+            .values()
+            .chain(self.trainer_nodes.keys())
+            .cloned()
+            .collect();
+        nodes.sort();
+        nodes.dedup();
+        SignalScope {
+            namespace: namespace.to_string(),
+            pipeline: pipeline.to_string(),
+            trainer_pods: trainer_pods.iter().map(|p| p.name_any()).collect(),
+            nodes,
+            window,
         }
     }
 }
@@ -189,5 +263,104 @@ impl ScaleDecision {
             samples_per_second: self.observed.samples_per_second,
             max_nic_utilization_percent: self.observed.max_nic_utilization_percent,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, node: Option<&str>) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": { "name": name },
+            "spec": { "containers": [], "nodeName": node },
+        }))
+        .expect("pod")
+    }
+
+    fn node(name: &str, gbps: Option<&str>) -> Node {
+        let annotations = gbps.map(|g| serde_json::json!({ ANNOTATION_NIC_GBPS: g }));
+        serde_json::from_value(serde_json::json!({
+            "metadata": { "name": name, "annotations": annotations },
+        }))
+        .expect("node")
+    }
+
+    #[test]
+    fn the_fleet_is_read_from_pods_and_nodes() {
+        let decoders = [
+            pod("d-1", Some("cpu-1")),
+            pod("d-2", Some("cpu-2")),
+            pod("d-3", None),
+        ];
+        let trainers = [
+            pod("t-0", Some("gpu-1")),
+            pod("t-1", Some("gpu-1")),
+            pod("t-2", Some("gpu-2")),
+        ];
+        let nodes = [
+            node("gpu-1", Some("100")),
+            node("gpu-2", Some("fast")),
+            node("cpu-1", None),
+        ];
+        let f = DecoderFleet::observe(3, &decoders, &trainers, 3, &nodes);
+        assert_eq!(f.replicas, 3);
+        assert_eq!(f.pods.len(), 2, "an unscheduled decoder places nothing");
+        assert_eq!(
+            f.trainer_nodes,
+            BTreeMap::from([("gpu-1".into(), 2), ("gpu-2".into(), 1)])
+        );
+        assert_eq!(
+            f.node_link_bytes_per_second,
+            BTreeMap::from([("gpu-1".into(), 12.5e9)])
+        );
+        let scope = f.scope("training", "qwen", &trainers, Duration::from_secs(60));
+        assert_eq!(scope.nodes, ["cpu-1", "cpu-2", "gpu-1", "gpu-2"]);
+        assert_eq!(scope.trainer_pods, ["t-0", "t-1", "t-2"]);
+    }
+
+    #[test]
+    fn the_policy_follows_the_spec() {
+        let dp: crate::api::DataPipeline =
+            serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
+                .expect("fixture");
+        let p = AutoscalingPolicy::from_spec(&dp.spec);
+        assert_eq!((p.min_replicas, p.max_replicas), (4, 64));
+        assert!((p.target_data_wait - 0.05).abs() < 1e-12);
+        assert!((p.max_nic_utilization - 0.80).abs() < 1e-12);
+        assert_eq!(p.scale_down_stabilization, Duration::from_secs(300));
+    }
+
+    #[test]
+    fn conditions_say_why() {
+        let d = Autoscaler::default().step(
+            "training/qwen",
+            &AutoscalingPolicy::default(),
+            &DecoderFleet {
+                replicas: 3,
+                trainers: 2,
+                ..DecoderFleet::default()
+            },
+            None,
+            Timestamp::UNIX_EPOCH,
+        );
+        let reports = d.condition_reports();
+        let types: Vec<&str> = reports.iter().map(|c| c.type_).collect();
+        assert_eq!(
+            types,
+            [
+                "Starved",
+                "NetworkSaturated",
+                "S3Throttled",
+                "MetricsUnavailable"
+            ]
+        );
+        assert_eq!(reports[3].status, "True");
+        assert!(
+            reports[3]
+                .message
+                .contains("Prometheus unreachable: keeping 3 decoders")
+        );
+        assert!(reports[..3].iter().all(|c| c.status == "Unknown"));
     }
 }
