@@ -247,6 +247,53 @@ async fn deleted_decoder_is_replaced_and_restart_changes_nothing() {
         crate::snapshot(&ns.client, &ns.name, "coco").await,
         "restart changed objects"
     );
+
+    // A changed pod spec rolls the fleet one decoder at a time.
+    dps.patch(
+        "coco",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"decoders": {"resources": {"requests": {"cpu": "200m", "memory": "128Mi"}}}}})),
+    )
+    .await
+    .expect("change decoder resources");
+    let old = uids(&after);
+    let fewest_ready = std::sync::atomic::AtomicUsize::new(usize::MAX);
+    let rolled = eventually(
+        "fleet rolled to the new spec",
+        Duration::from_secs(120),
+        || {
+            let pods = decoders(&ns.client, &ns.name, "coco");
+            let fewest = &fewest_ready;
+            let old = &old;
+            async move {
+                let pods = pods.await;
+                let serving_ready = pods
+                    .iter()
+                    .filter(|p| !is_draining(p) && is_ready(p))
+                    .count();
+                fewest.fetch_min(serving_ready, std::sync::atomic::Ordering::Relaxed);
+                let serving: Vec<Pod> = pods.into_iter().filter(|p| !is_draining(p)).collect();
+                let done = serving.len() == 3
+                    && serving.iter().all(is_ready)
+                    && uids(&serving).is_disjoint(old);
+                done.then_some(serving)
+            }
+        },
+    )
+    .await;
+    assert!(
+        fewest_ready.into_inner() >= 2,
+        "rollout took more than one decoder out at a time"
+    );
+    for p in &rolled {
+        let cpu = p
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers[0].resources.as_ref())
+            .and_then(|r| r.requests.as_ref())
+            .map(|r| r["cpu"].0.clone());
+        assert_eq!(cpu.as_deref(), Some("200m"));
+    }
     op.stop().await;
 }
 

@@ -8,7 +8,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
 use crate::api::v1alpha1::{AutoscalingMode, DataPipelineSpec, DecoderFleetStatus};
-use crate::api::{ANNOTATION_DRAIN_STARTED, LABEL_DRAINING};
+use crate::api::{ANNOTATION_DRAIN_STARTED, LABEL_DRAINING, LABEL_TEMPLATE_HASH};
 
 /// The number of decoders the pipeline should run now. `recommended` is the autoscaler's
 /// answer when it has one; until then (and in `recommend` mode) the fleet holds minReplicas.
@@ -43,6 +43,8 @@ pub struct FleetPlan {
 struct Member<'a> {
     pod: &'a Pod,
     ready: bool,
+    /// Built from an older pod spec (image, resources, placement changed since).
+    stale: bool,
     node: Option<&'a str>,
 }
 
@@ -71,8 +73,17 @@ fn drain_started(pod: &Pod) -> Option<Timestamp> {
 }
 
 /// Plans the fleet: replace failed pods, finish drains, then add or drain to reach `desired`.
-/// Scale-down takes not-ready pods first, then pods on the most crowded node, then the newest.
-pub fn plan(pods: &[Pod], desired: usize, drain_seconds: u32, now: Timestamp) -> FleetPlan {
+/// Scale-down takes not-ready pods first, then pods built from an older spec, then pods on the
+/// most crowded node, then the newest. When the pod spec changed (`template_hash`), a settled
+/// fleet replaces one stale decoder at a time: drain it and create its successor together, and
+/// move on only when every serving decoder is ready again.
+pub fn plan(
+    pods: &[Pod],
+    desired: usize,
+    template_hash: &str,
+    drain_seconds: u32,
+    now: Timestamp,
+) -> FleetPlan {
     let mut plan = FleetPlan::default();
     let mut serving: Vec<Member<'_>> = Vec::new();
     for pod in pods
@@ -97,6 +108,8 @@ pub fn plan(pods: &[Pod], desired: usize, drain_seconds: u32, now: Timestamp) ->
             serving.push(Member {
                 pod,
                 ready: is_ready(pod),
+                stale: pod.labels().get(LABEL_TEMPLATE_HASH).map(String::as_str)
+                    != Some(template_hash),
                 node: pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
             });
         }
@@ -110,7 +123,15 @@ pub fn plan(pods: &[Pod], desired: usize, drain_seconds: u32, now: Timestamp) ->
             *per_node.entry(n).or_default() += 1;
         }
     }
-    while serving.len() > desired {
+    let rolling = serving.len() == desired
+        && plan.create == 0
+        && serving.iter().all(|m| m.ready)
+        && serving.iter().any(|m| m.stale);
+    let target = if rolling { desired - 1 } else { desired };
+    if rolling {
+        plan.create = 1;
+    }
+    while serving.len() > target {
         let pick = serving
             .iter()
             .enumerate()
@@ -118,6 +139,7 @@ pub fn plan(pods: &[Pod], desired: usize, drain_seconds: u32, now: Timestamp) ->
                 let crowd = |m: &Member<'_>| m.node.and_then(|n| per_node.get(n)).copied();
                 (!a.ready)
                     .cmp(&!b.ready)
+                    .then(a.stale.cmp(&b.stale))
                     .then(crowd(a).cmp(&crowd(b)))
                     .then(
                         a.pod
@@ -175,6 +197,18 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
     use std::collections::BTreeMap;
 
+    const HASH: &str = "h1";
+
+    fn plan(pods: &[Pod], desired: usize, drain_seconds: u32, now: Timestamp) -> FleetPlan {
+        super::plan(pods, desired, HASH, drain_seconds, now)
+    }
+
+    fn stale(mut p: Pod) -> Pod {
+        p.labels_mut()
+            .insert(LABEL_TEMPLATE_HASH.into(), "h0".into());
+        p
+    }
+
     fn t(secs: i64) -> Timestamp {
         Timestamp::from_second(1_800_000_000 + secs).expect("valid")
     }
@@ -184,7 +218,10 @@ mod tests {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 creation_timestamp: Some(Time(t(created))),
-                labels: Some(BTreeMap::from([(LABEL_DRAINING.into(), "false".into())])),
+                labels: Some(BTreeMap::from([
+                    (LABEL_DRAINING.into(), "false".into()),
+                    (LABEL_TEMPLATE_HASH.into(), HASH.into()),
+                ])),
                 ..ObjectMeta::default()
             },
             spec: Some(PodSpec {
@@ -275,6 +312,35 @@ mod tests {
         let p = plan(&[gone], 1, 30, t(100));
         assert_eq!(p.create, 1);
         assert!(p.delete.is_empty());
+    }
+
+    #[test]
+    fn a_changed_spec_rolls_one_decoder_at_a_time() {
+        let pods = vec![
+            stale(pod("a", Some("n1"), true, 0)),
+            stale(pod("b", Some("n2"), true, 10)),
+            pod("c", Some("n3"), true, 20),
+        ];
+        let p = plan(&pods, 3, 30, t(100));
+        assert_eq!((p.create, p.drain.clone()), (1, vec!["b".to_string()]));
+        // While the successor is not ready, nothing else moves.
+        let mut next = vec![
+            pods[0].clone(),
+            pods[2].clone(),
+            pod("d", Some("n2"), false, 101),
+        ];
+        assert_eq!(plan(&next, 3, 30, t(102)), FleetPlan::default());
+        next[2] = pod("d", Some("n2"), true, 101);
+        assert_eq!(plan(&next, 3, 30, t(110)).drain, vec!["a"]);
+    }
+
+    #[test]
+    fn scale_down_prefers_stale_decoders() {
+        let pods = vec![
+            pod("fresh", Some("n1"), true, 50),
+            stale(pod("old", Some("n2"), true, 0)),
+        ];
+        assert_eq!(plan(&pods, 1, 30, t(100)).drain, vec!["old"]);
     }
 
     #[test]

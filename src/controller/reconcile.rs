@@ -105,9 +105,11 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     let binding = sidecar_rbac::sidecar_role_binding(dp);
     let desired = fleet::desired_replicas(&dp.spec, None);
     let plan = if problems.is_empty() {
+        let spec = decoder_pod::decoder_pod_spec(dp, &ctx.defaults);
         fleet::plan(
             &observed.decoders,
             usize::try_from(desired).unwrap_or(0),
+            &decoder_pod::template_hash(&spec),
             u32::try_from(dp.spec.decoders.drain_seconds).unwrap_or(0),
             now,
         )
