@@ -455,6 +455,15 @@ async fn d_s3_gets_from_a_pod_cross_the_nodes_nic() {
             .then_some(())
     })
     .await;
+    eventually(
+        "the pod to succeed (restartPolicy Never, exit 0)",
+        Duration::from_secs(30),
+        || async {
+            let pod = pods.get("getter").await.ok()?;
+            (pod.status?.phase.as_deref() == Some("Succeeded")).then_some(())
+        },
+    )
+    .await;
     let after = node_counters(rt, node);
     let received = after.0 - before.0;
     eprintln!(
@@ -501,6 +510,32 @@ async fn e_a_container_that_exits_is_restarted_with_backoff() {
         (runs(&ns.name) >= 3).then_some(())
     })
     .await;
+    let pod = eventually(
+        "pod status to show the restarts",
+        Duration::from_secs(30),
+        || async {
+            let pod = pods.get("crash").await.ok()?;
+            let restarts = pod.status.as_ref()?.container_statuses.as_ref()?[0].restart_count;
+            (restarts >= 2).then_some(pod)
+        },
+    )
+    .await;
+    let status = &pod
+        .status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .as_ref()
+        .unwrap()[0];
+    assert_eq!(
+        status
+            .last_state
+            .as_ref()
+            .and_then(|s| s.terminated.as_ref())
+            .map(|t| t.exit_code),
+        Some(3),
+        "last state shows the exit code: {status:?}"
+    );
     // Backoff 1 s then 2 s between runs.
     assert!(
         started.elapsed() >= Duration::from_secs(3),

@@ -664,8 +664,21 @@ async fn supervise(
         }
         retry_at.retain(|k, _| desired.contains_key(k));
 
-        for (index, run) in running.values_mut() {
+        for (k, (index, run)) in running.iter_mut() {
             run.supervise(&nodes[*index].1, &launch);
+            let Some(pod) = desired.get(k) else {
+                continue;
+            };
+            if let Some(patch) = run.status_patch(pod) {
+                let pods: Api<Pod> = Api::namespaced(client.clone(), &k.0);
+                if let Err(err) = pods
+                    .patch_status(&k.1, &PatchParams::default(), &Patch::Strategic(&patch))
+                    .await
+                {
+                    tracing::warn!(pod = ?k, %err, "updating pod status");
+                    run.status_not_reported();
+                }
+            }
         }
 
         let mut targets: Vec<LoaderTarget> = running

@@ -17,6 +17,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret};
 use kube::api::Api;
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -111,6 +112,18 @@ struct ContainerRun {
     next_start: Instant,
     backoff: Duration,
     finished: bool,
+    /// Exit code of the last run (128 + signal when killed).
+    last_exit: Option<i32>,
+}
+
+/// What a container's process is doing, as last reported in pod status.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ContainerReport {
+    name: String,
+    restarts: u32,
+    running: bool,
+    finished: bool,
+    last_exit: Option<i32>,
 }
 
 pub struct PodRun {
@@ -124,6 +137,7 @@ pub struct PodRun {
     grace: Duration,
     dirs: Vec<PathBuf>,
     containers: Vec<ContainerRun>,
+    reported: Option<Vec<ContainerReport>>,
 }
 
 const BACKOFF_START: Duration = Duration::from_secs(1);
@@ -280,6 +294,7 @@ impl PodRun {
                 next_start: now,
                 backoff: BACKOFF_START,
                 finished: false,
+                last_exit: None,
             });
         }
         let grace = spec
@@ -301,6 +316,7 @@ impl PodRun {
             grace,
             dirs,
             containers,
+            reported: None,
         })
     }
 
@@ -317,6 +333,11 @@ impl PodRun {
                     continue;
                 };
                 c.process = None;
+                c.last_exit = Some(
+                    status
+                        .code()
+                        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)),
+                );
                 let restart = match self.restart_policy.as_str() {
                     "Never" => false,
                     "OnFailure" => !status.success(),
@@ -370,6 +391,86 @@ impl PodRun {
                 }
             }
         }
+    }
+
+    fn report(&self) -> Vec<ContainerReport> {
+        self.containers
+            .iter()
+            .map(|c| ContainerReport {
+                name: c.name.clone(),
+                restarts: c.restarts,
+                running: c.process.is_some(),
+                finished: c.finished,
+                last_exit: c.last_exit,
+            })
+            .collect()
+    }
+
+    /// A strategic-merge patch of the pod's status when its processes changed since the last
+    /// one: restart counts, container states, Ready, and the phase once every process of a
+    /// pod that does not restart has ended. KWOK marked the pod Running and Ready when it was
+    /// bound; the first report, all running, matches that and patches nothing.
+    pub fn status_patch(&mut self, pod: &Pod) -> Option<serde_json::Value> {
+        let report = self.report();
+        if self.reported.as_ref() == Some(&report) {
+            return None;
+        }
+        let first = self.reported.is_none();
+        self.reported = Some(report.clone());
+        if first && report.iter().all(|r| r.running && r.restarts == 0) {
+            return None;
+        }
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let status = pod.status.as_ref()?;
+        let update = |statuses: &Option<Vec<k8s_openapi::api::core::v1::ContainerStatus>>| {
+            let mut list = serde_json::to_value(statuses.clone().unwrap_or_default())
+                .unwrap_or_else(|_| serde_json::json!([]));
+            for entry in list.as_array_mut().into_iter().flatten() {
+                let Some(r) = report
+                    .iter()
+                    .find(|r| entry["name"].as_str() == Some(r.name.as_str()))
+                else {
+                    continue;
+                };
+                entry["restartCount"] = r.restarts.into();
+                entry["ready"] = r.running.into();
+                entry["started"] = r.running.into();
+                entry["state"] = if r.running {
+                    serde_json::json!({"running": {"startedAt": now}})
+                } else if r.finished {
+                    let code = r.last_exit.unwrap_or(0);
+                    let reason = if code == 0 { "Completed" } else { "Error" };
+                    serde_json::json!({"terminated": {"exitCode": code, "reason": reason, "finishedAt": now}})
+                } else {
+                    serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}})
+                };
+                if let Some(code) = r.last_exit {
+                    entry["lastState"] =
+                        serde_json::json!({"terminated": {"exitCode": code, "finishedAt": now}});
+                }
+            }
+            list
+        };
+        let ready = report.iter().all(|r| r.running);
+        let ready = if ready { "True" } else { "False" };
+        let mut patch = serde_json::json!({"status": {
+            "conditions": [
+                {"type": "Ready", "status": ready, "lastTransitionTime": now},
+                {"type": "ContainersReady", "status": ready, "lastTransitionTime": now},
+            ],
+            "containerStatuses": update(&status.container_statuses),
+            "initContainerStatuses": update(&status.init_container_statuses),
+        }});
+        if !report.is_empty() && report.iter().all(|r| r.finished) {
+            let ok = report.iter().all(|r| r.last_exit == Some(0));
+            patch["status"]["phase"] = if ok { "Succeeded" } else { "Failed" }.into();
+        }
+        Some(patch)
+    }
+
+    /// The last status patch did not land: send the next one whatever it holds.
+    pub fn status_not_reported(&mut self) {
+        self.reported = Some(Vec::new());
     }
 
     /// The loader processes of this pod that are running, as scrape targets.
