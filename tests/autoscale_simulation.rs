@@ -623,3 +623,19 @@ fn ten_percent_measurement_noise() {
         r.trace()
     );
 }
+
+#[test]
+fn elastic_trainers_leaving_release_decoders_without_the_window() {
+    let world = World::new(16, 34.0, 0.2, 16);
+    let r = run(world, 1500, |t, w| {
+        if t == 605 {
+            w.trainers = 8;
+        }
+    });
+    r.assert_sound("trainers leaving", 0.0);
+    // 16 × 170/s needs 16 decoders; 8 trainers need 1,360 × 1.2 ÷ 210 → 8, at once rather than
+    // after the 300 s scale-down window.
+    assert_eq!(r.replicas_at(600), 16, "{:?}", r.trace());
+    assert_eq!(r.replicas_at(660), 8, "{:?}", r.trace());
+    r.assert_fed_after("trainers leaving", 605, 1500);
+}

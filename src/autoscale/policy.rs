@@ -89,7 +89,8 @@ pub struct ScaleHistory {
     /// Demand of one unstarved trainer, learned while the trainer count held still.
     per_trainer_demand: Option<f64>,
     trainers: Option<u32>,
-    trainer_change_at: Option<Timestamp>,
+    /// When the trainer count last changed, and what it was before.
+    trainer_change: Option<(Timestamp, u32)>,
     /// Node → when decoders were last moved off it.
     moved_at: BTreeMap<String, Timestamp>,
     local_decode_share: f64,
@@ -129,7 +130,7 @@ impl ScaleHistory {
         if decision.learned.per_trainer_demand.is_some() {
             self.per_trainer_demand = decision.learned.per_trainer_demand;
         }
-        self.trainer_change_at = decision.learned.trainer_change_at;
+        self.trainer_change = decision.learned.trainer_change;
         let settle = settle_seconds(policy);
         self.moved_at.retain(|_, t| elapsed(*t, now) < settle);
         for node in &decision.learned.moved_from {
@@ -179,7 +180,8 @@ pub struct Learned {
     pub decoder_rate: Option<f64>,
     pub per_trainer_demand: Option<f64>,
     pub trainers: u32,
-    pub trainer_change_at: Option<Timestamp>,
+    /// When the trainer count changed and what it was before, while demand follows it.
+    pub trainer_change: Option<(Timestamp, u32)>,
     /// Nodes decoders were moved off in this decision.
     pub moved_from: Vec<String>,
 }
@@ -253,7 +255,7 @@ pub fn decide(
         learned: Learned {
             decoder_rate: history.decoder_rate,
             trainers: fleet.trainers,
-            trainer_change_at: history.trainer_change_at,
+            trainer_change: history.trainer_change,
             ..Learned::default()
         },
     };
@@ -299,14 +301,16 @@ pub fn decide(
 
     // Elastic training: a new trainer count changes demand before any starvation shows; follow
     // it from the per-trainer demand until the window holds only the new count.
-    let changed_now = history.trainers.is_some_and(|t| t != fleet.trainers);
-    if changed_now {
-        d.learned.trainer_change_at = Some(now);
+    if let Some(before) = history.trainers.filter(|t| *t != fleet.trainers) {
+        // A second change while following keeps the count from before the first.
+        let from = history.trainer_change.map_or(before, |(_, b)| b);
+        d.learned.trainer_change = Some((now, from));
     }
     let following = history.per_trainer_demand.is_some()
         && d.learned
-            .trainer_change_at
-            .is_some_and(|t| elapsed(t, now) < settle_seconds(policy));
+            .trainer_change
+            .is_some_and(|(t, _)| elapsed(t, now) < settle_seconds(policy));
+    let trainers_before = d.learned.trainer_change.map_or(fleet.trainers, |(_, b)| b);
     let demand = match history.per_trainer_demand {
         Some(per) if following => per * f64::from(fleet.trainers),
         _ => measured_demand,
@@ -314,7 +318,7 @@ pub fn decide(
     if !following {
         let reporting = s.trainers_reporting.unwrap_or(fleet.trainers).max(1);
         d.learned.per_trainer_demand = Some(measured_demand / f64::from(reporting));
-        d.learned.trainer_change_at = None;
+        d.learned.trainer_change = None;
     }
 
     let (sum_rate, sum_busy) = s.decoders.values().fold((0.0, 0.0), |(r, b), x| {
@@ -372,12 +376,28 @@ pub fn decide(
             ),
         )
     } else {
+        let throttle_text = || {
+            format!(
+                "S3 throttles {} of requests > {}: not scaling up",
+                pct(throttle_share.unwrap_or(0.0)),
+                pct(policy.max_s3_throttle_share),
+            )
+        };
         match (needed, rate) {
+            // Trainers starved with no decoder at all: nothing was delivered, so nothing
+            // measures the demand; start one step up.
+            _ if current == 0 && starved && !throttled => {
+                let n = policy.max_scale_up_step.max(1);
+                (n, format!("{wait_text} with no decoders → {n}"))
+            }
+            (Some(n), Some(r)) if n > current && throttled => (
+                current,
+                format!("{wait_text} but {} ({})", throttle_text(), need_text(n, r)),
+            ),
             (Some(n), Some(r)) if following => (
                 n,
                 format!(
-                    "trainers {} → {}: {}",
-                    history.trainers.unwrap_or(fleet.trainers),
+                    "trainers {trainers_before} → {}: {}",
                     fleet.trainers,
                     need_text(n, r)
                 ),
@@ -385,15 +405,6 @@ pub fn decide(
             (Some(n), Some(r)) if n > current && !starved => (
                 current,
                 format!("{wait_text}: keeping {current} ({})", need_text(n, r)),
-            ),
-            (Some(n), Some(r)) if n > current && throttled => (
-                current,
-                format!(
-                    "{wait_text} but S3 throttles {} of requests > {}: not scaling up ({})",
-                    pct(throttle_share.unwrap_or(0.0)),
-                    pct(policy.max_s3_throttle_share),
-                    need_text(n, r)
-                ),
             ),
             (Some(n), Some(r)) if n < current && starved => (
                 current,
@@ -411,6 +422,7 @@ pub fn decide(
                     format!("{wait_text}: no per-decoder rate measured yet → {n}"),
                 )
             }
+            _ if starved => (current, format!("{wait_text} but {}", throttle_text())),
             _ => (
                 current,
                 format!("{wait_text}: no per-decoder rate measured yet: keeping {current}"),
@@ -436,7 +448,7 @@ pub fn decide(
         raw
     };
     d.learned.recommendation = Some(raw);
-    let trainers_left = following && history.trainers.is_some_and(|t| t > fleet.trainers);
+    let trainers_left = following && trainers_before > fleet.trainers;
     stabilize(policy, history, d, current, raw, now, trainers_left)
 }
 
@@ -919,6 +931,33 @@ mod tests {
             &p,
             at(-30),
         );
+        let mut quiet_throttled = quiet.clone();
+        quiet_throttled.s3_throttles_per_second = Some(50.0);
+        let mut growth_throttled = ScaleHistory::default();
+        growth_throttled.remember(
+            &decide(
+                &p,
+                &fleet(8, 8),
+                Some(&quiet),
+                &ScaleHistory::default(),
+                at(-30),
+            ),
+            &p,
+            at(-30),
+        );
+        // A decoder rate known from earlier work, before the fleet went to zero.
+        let mut after_idle = ScaleHistory::default();
+        after_idle.remember(
+            &decide(
+                &p,
+                &fleet(8, 8),
+                Some(&quiet),
+                &ScaleHistory::default(),
+                at(-600),
+            ),
+            &p,
+            at(-600),
+        );
         let mut before_shrink = ScaleHistory::default();
         before_shrink.remember(
             &decide(
@@ -1049,6 +1088,34 @@ mod tests {
                 history: before_shrink,
                 replicas: 8,
                 reason: "trainers 8 → 4: need 467/s at 210/s per decoder → 3; step limit → 8",
+                ..Case::default()
+            },
+            Case {
+                name: "starved with no decoders: one step up",
+                policy: AutoscalingPolicy {
+                    min_replicas: 0,
+                    ..policy()
+                },
+                fleet: fleet(0, 8),
+                signals: Some(Signals {
+                    data_wait_share: Some(1.0),
+                    consumption_per_second: Some(0.0),
+                    ..Signals::default()
+                }),
+                history: after_idle,
+                replicas: 8,
+                starved: true,
+                reason: "data wait 100% > 5% with no decoders → 8",
+                ..Case::default()
+            },
+            Case {
+                name: "more trainers while S3 throttles: no scale-up",
+                signals: Some(quiet_throttled),
+                fleet: fleet(8, 16),
+                history: growth_throttled,
+                replicas: 8,
+                s3_throttled: true,
+                reason: "S3 throttles 5% of requests > 1%: not scaling up",
                 ..Case::default()
             },
             Case {
