@@ -20,8 +20,11 @@ use prometheus_http_query::response::Data;
 use super::signals::{DecoderSignal, NodeNetwork, Signals};
 
 /// The PromQL the autoscaler sends. Defaults match the loader's metric names
-/// (`loader/src/metrics.rs`), node-exporter and dcgm-exporter.
-#[derive(Clone, Debug, PartialEq)]
+/// (`loader/src/metrics.rs`, `loader/src/sidecar/metrics.rs`), node-exporter and dcgm-exporter.
+/// Deserializes from camelCase YAML or JSON (the chart's values); a field left out keeps its
+/// default.
+#[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(default, rename_all = "camelCase")]
 pub struct QueryTemplates {
     /// Mean share of wall time the trainers waited for data: seconds waited per second.
     pub data_wait: String,
@@ -361,6 +364,20 @@ mod tests {
             r#"sum by (node) (rate(node_network_receive_bytes_total{device=~"eth.*|en.*|ib.*|bond.*",node=~"gpu-1\\.example|cpu-2"}[90s]))"#
         );
         assert!(render(&t.gpu_utilization, &scope()).contains(r#"pod=~"trainer-0|trainer-1""#));
+    }
+
+    #[test]
+    fn templates_load_from_chart_values_over_the_defaults() {
+        let t: QueryTemplates = serde_yaml::from_str(
+            "gpuUtilization: avg(DCGM_FI_DEV_GPU_UTIL{exported_pod=~\"{trainer_pods}\"})\nnodeLabel: instance\n",
+        )
+        .expect("parses");
+        assert_eq!(t.node_label, "instance");
+        assert!(
+            t.gpu_utilization
+                .starts_with("avg(DCGM_FI_DEV_GPU_UTIL{exported_pod")
+        );
+        assert_eq!(t.data_wait, QueryTemplates::default().data_wait);
     }
 
     #[test]
