@@ -51,7 +51,7 @@ impl Default for Metrics {
         let mut registry = Registry::with_prefix("stoker");
         let reconciles = Counter::default();
         let errors = Family::<CategoryLabel, Counter>::default();
-        let duration = Histogram::new(exponential_buckets(0.001, 2.0, 14));
+        let duration = Histogram::new(exponential_buckets(0.001, 1.5, 24));
         let fleet = Family::<FleetLabels, Gauge>::default();
         let webhook = Family::<ResultLabel, Counter>::default();
         let leader = Gauge::default();
