@@ -648,6 +648,8 @@ async fn supervise(
                 continue;
             }
             let prepared = match PodRun::prepare(&client, &launch, pod, ip).await {
+                // A pod with nothing to run here needs no address either.
+                Ok(run) if run.is_empty() => Ok(run),
                 Ok(run) => node.add_address(ip).map(|()| run),
                 Err(err) => Err(err),
             };

@@ -172,10 +172,49 @@ impl PodRun {
             .as_ref()
             .ok_or_else(|| anyhow!("pod has no spec"))?;
         let node = spec.node_name.clone().unwrap_or_default();
+        let sidecars = spec
+            .init_containers
+            .iter()
+            .flatten()
+            .filter(|c| c.restart_policy.as_deref() == Some("Always"));
+        let mut runnable = Vec::new();
+        for c in sidecars.chain(spec.containers.iter()) {
+            let image = c.image.clone().unwrap_or_default();
+            let loader = glob_match(&launch.loader_image, &image);
+            let mut command: Vec<String> = if loader {
+                vec![launch.loader_bin.display().to_string()]
+            } else if let Some(m) = launch.images.iter().find(|m| glob_match(&m.image, &image)) {
+                if m.command.is_empty() {
+                    c.command.clone().unwrap_or_default()
+                } else {
+                    m.command.clone()
+                }
+            } else {
+                tracing::debug!(pod = %name, container = %c.name, %image, "no local command for this image; not run");
+                continue;
+            };
+            command.extend(c.args.clone().unwrap_or_default());
+            if command.is_empty() {
+                tracing::warn!(pod = %name, container = %c.name, "empty command; not run");
+                continue;
+            }
+            runnable.push((c, loader, command));
+        }
+        // Only what the runnable containers mount (pods of other images cost nothing).
+        let mounted: std::collections::BTreeSet<&str> = runnable
+            .iter()
+            .flat_map(|(c, _, _)| c.volume_mounts.iter().flatten())
+            .map(|m| m.name.as_str())
+            .collect();
         let pod_dir = format!("{namespace}_{name}_{}", &uid[..uid.len().min(8)]);
         let mut dirs = Vec::new();
         let mut volumes: BTreeMap<String, PathBuf> = BTreeMap::new();
-        for volume in spec.volumes.iter().flatten() {
+        for volume in spec
+            .volumes
+            .iter()
+            .flatten()
+            .filter(|v| mounted.contains(v.name.as_str()))
+        {
             let memory =
                 volume.empty_dir.as_ref().and_then(|e| e.medium.as_deref()) == Some("Memory");
             let base = if memory {
@@ -229,32 +268,8 @@ impl PodRun {
             volumes.insert(volume.name.clone(), dir);
         }
 
-        let sidecars = spec
-            .init_containers
-            .iter()
-            .flatten()
-            .filter(|c| c.restart_policy.as_deref() == Some("Always"));
         let mut containers = Vec::new();
-        for c in sidecars.chain(spec.containers.iter()) {
-            let image = c.image.clone().unwrap_or_default();
-            let loader = glob_match(&launch.loader_image, &image);
-            let mut command: Vec<String> = if loader {
-                vec![launch.loader_bin.display().to_string()]
-            } else if let Some(m) = launch.images.iter().find(|m| glob_match(&m.image, &image)) {
-                if m.command.is_empty() {
-                    c.command.clone().unwrap_or_default()
-                } else {
-                    m.command.clone()
-                }
-            } else {
-                tracing::info!(pod = %name, container = %c.name, %image, "no local command for this image; not run");
-                continue;
-            };
-            command.extend(c.args.clone().unwrap_or_default());
-            if command.is_empty() {
-                tracing::warn!(pod = %name, container = %c.name, "empty command; not run");
-                continue;
-            }
+        for (c, loader, command) in runnable {
             let mounts = mounts_of(c, &volumes);
             let metrics_port = metrics_port(c);
             let mut env = resolve_env(client, pod, c, ip).await?;
@@ -318,6 +333,11 @@ impl PodRun {
             containers,
             reported: None,
         })
+    }
+
+    /// No container of the pod runs here (no local command for its images).
+    pub fn is_empty(&self) -> bool {
+        self.containers.is_empty()
     }
 
     /// Starts containers that are due: not yet started, or exited and due for a restart under
