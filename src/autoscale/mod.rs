@@ -2,15 +2,22 @@
 //! (`prometheus.rs`, the only I/O here), decide with the pure [`policy`], remember the decision
 //! in a [`ScaleHistory`] for the stabilization windows, and export what it saw (`metrics.rs`).
 //!
-//! The controller calls, per reconcile of an autoscaled pipeline:
+//! The controller, per reconcile of a pipeline (`autoscaler` behind a mutex in its context):
 //! ```text
-//! let policy = AutoscalingPolicy::from_spec(&dp.spec);
-//! let signals = prometheus.read(&scope).await;          // Err → None: keep the size
-//! let decision = autoscaler.step(&key, &policy, &fleet, signals.as_ref().ok(), now);
+//! let fleet = DecoderFleet::observe(status.decoders.desired, &decoders, &trainers, world_size, &nodes);
+//! let scope = fleet.scope(&namespace, &name, &trainers, policy.window);
+//! let signals = match prometheus.read(&scope).await {                 // Err: keep the size
+//!     Ok(s) => Some(s),
+//!     Err(e) => { metrics.signal_error(e.category()); None }
+//! };
+//! let decision = autoscaler.step_pipeline(&dp, &fleet, signals.as_ref(), now);
+//! metrics.record(&namespace, &name, &decision);
 //! let desired = fleet::desired_replicas(&dp.spec, Some(decision.recommended as i32));
 //! ```
-//! and places new decoders off `decision.avoid_nodes`, drains `decision.move_pods`, writes
-//! `decision.condition_reports()` and `decision.reason` into the status.
+//! then places new decoders off `decision.avoid_nodes`, drains and replaces
+//! `decision.move_pods`, sends `decision.local_decode_share` to the sidecars, and writes
+//! `decision.condition_reports()`, `decision.observed_signals()` and `decision.reason`
+//! (`status.lastScale`, an Event) into the status.
 
 pub mod metrics;
 pub mod policy;
@@ -24,6 +31,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
+use crate::api::DataPipeline;
 use crate::api::v1alpha1::{DataPipelineSpec, ObservedSignals};
 use prometheus::SignalScope;
 
@@ -149,6 +157,25 @@ impl Autoscaler {
         let decision = decide(policy, fleet, signals, history, now);
         history.remember(&decision, policy, now);
         decision
+    }
+
+    /// [`Autoscaler::step`] with the policy the pipeline's spec asks for, keyed by
+    /// `namespace/name`.
+    pub fn step_pipeline(
+        &mut self,
+        dp: &DataPipeline,
+        fleet: &DecoderFleet,
+        signals: Option<&Signals>,
+        now: Timestamp,
+    ) -> ScaleDecision {
+        let key = format!("{}/{}", dp.namespace().unwrap_or_default(), dp.name_any());
+        self.step(
+            &key,
+            &AutoscalingPolicy::from_spec(&dp.spec),
+            fleet,
+            signals,
+            now,
+        )
     }
 
     /// Drops a deleted pipeline's history.
@@ -329,6 +356,19 @@ mod tests {
         assert!((p.target_data_wait - 0.05).abs() < 1e-12);
         assert!((p.max_nic_utilization - 0.80).abs() < 1e-12);
         assert_eq!(p.scale_down_stabilization, Duration::from_secs(300));
+
+        let mut autoscaler = Autoscaler::default();
+        let fleet = DecoderFleet {
+            replicas: 1,
+            ..DecoderFleet::default()
+        };
+        let d = autoscaler.step_pipeline(&dp, &fleet, None, Timestamp::UNIX_EPOCH);
+        assert_eq!(
+            d.replicas, 4,
+            "minReplicas 4 bounds even a kept size: {}",
+            d.reason
+        );
+        assert!(autoscaler.history("training/qwen3vl-pretrain").is_some());
     }
 
     #[test]
