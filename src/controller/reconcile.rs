@@ -1,5 +1,6 @@
 //! One reconcile: observe → validate → build → apply → status.
 
+use futures::{StreamExt, TryStreamExt, stream};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 use std::time::Instant;
@@ -40,6 +41,10 @@ async fn observe(pods: &Api<Pod>, namespace: &str, name: &str) -> Result<Observe
         .partition(|p| p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_DECODER));
     Ok(Observed { decoders, trainers })
 }
+
+/// Pod writes one reconcile keeps in flight: fast scale-up without a burst that trips API
+/// priority and fairness.
+const POD_WRITES_IN_FLIGHT: usize = 16;
 
 /// Five lowercase alphanumerics, like the suffixes of generated names.
 fn pod_suffix() -> String {
@@ -119,21 +124,41 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
 
     // apply
     let client = &ctx.client;
-    apply::apply(client, &config, FIELD_MANAGER).await?;
-    apply::apply(client, &svc, FIELD_MANAGER).await?;
-    apply::apply(client, &policy, FIELD_MANAGER).await?;
-    apply::apply(client, &role, FIELD_MANAGER).await?;
-    apply::apply(client, &binding, FIELD_MANAGER).await?;
-    for _ in 0..plan.create {
-        let pod = decoder_pod::decoder_pod(dp, &pod_suffix(), &ctx.defaults);
-        apply::apply(client, &pod, FIELD_MANAGER).await?;
+    futures::try_join!(
+        apply::apply(client, &config, FIELD_MANAGER),
+        apply::apply(client, &svc, FIELD_MANAGER),
+        apply::apply(client, &policy, FIELD_MANAGER),
+        apply::apply(client, &role, FIELD_MANAGER),
+        apply::apply(client, &binding, FIELD_MANAGER),
+    )?;
+    let new_pods: Vec<Pod> = (0..plan.create)
+        .map(|_| decoder_pod::decoder_pod(dp, &pod_suffix(), &ctx.defaults))
+        .collect();
+    // Futures are made eagerly (Vecs, not lazy maps) so the reconcile future stays Send.
+    let limit = POD_WRITES_IN_FLIGHT;
+    let mut creates = Vec::new();
+    for pod in &new_pods {
+        creates.push(apply::apply(client, pod, FIELD_MANAGER));
     }
-    for pod_name in &plan.drain {
-        apply::drain(&pods, pod_name, FIELD_MANAGER, now).await?;
+    let mut drains = Vec::new();
+    for name in &plan.drain {
+        drains.push(apply::drain(&pods, name, FIELD_MANAGER, now));
     }
-    for pod_name in &plan.delete {
-        apply::delete(&pods, pod_name).await?;
+    let mut deletes = Vec::new();
+    for name in &plan.delete {
+        deletes.push(apply::delete(&pods, name));
     }
+    futures::try_join!(
+        stream::iter(creates)
+            .buffer_unordered(limit)
+            .try_collect::<Vec<Pod>>(),
+        stream::iter(drains)
+            .buffer_unordered(limit)
+            .try_collect::<Vec<()>>(),
+        stream::iter(deletes)
+            .buffer_unordered(limit)
+            .try_collect::<Vec<()>>(),
+    )?;
     let reference = dp.object_ref(&());
     if plan.create > 0 || !plan.drain.is_empty() || plan.failed > 0 {
         let note = format!(

@@ -188,3 +188,81 @@ pub async fn write(
     })?;
     Ok(true)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::v1alpha1::DecoderFleetStatus;
+
+    fn dp() -> DataPipeline {
+        serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
+            .expect("fixture")
+    }
+
+    fn obs(desired: i32, ready: i32) -> Observation {
+        Observation {
+            fleet: DecoderFleetStatus {
+                desired,
+                ready,
+                draining: 0,
+                nodes: ready,
+            },
+            trainers: TrainerStatus::default(),
+            problems: vec![],
+            failed_replaced: 0,
+            scale_reason: "decoders.minReplicas".into(),
+        }
+    }
+
+    fn condition<'a>(s: &'a DataPipelineStatus, t: &str) -> &'a Condition {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == t)
+            .expect("condition")
+    }
+
+    #[test]
+    fn ready_when_every_desired_decoder_is_ready() {
+        let t0 = Timestamp::from_second(1_800_000_000).expect("ts");
+        let mut p = dp();
+        let s = desired_status(&p, obs(4, 2), t0);
+        assert_eq!(condition(&s, READY).status, "False");
+        assert_eq!(condition(&s, READY).message, "2/4 decoders ready");
+        assert_eq!(condition(&s, DEGRADED).status, "False");
+        for t in AUTOSCALER_CONDITIONS {
+            assert_eq!(condition(&s, t).status, "Unknown");
+        }
+        p.status = Some(s);
+        let t1 = Timestamp::from_second(1_800_000_060).expect("ts");
+        let s = desired_status(&p, obs(4, 4), t1);
+        assert_eq!(condition(&s, READY).status, "True");
+        assert_eq!(condition(&s, READY).last_transition_time, Time(t1));
+        // Unchanged conditions keep their transition time, so the status is written only once.
+        assert_eq!(condition(&s, DEGRADED).last_transition_time, Time(t0));
+        p.status = Some(s.clone());
+        let again = desired_status(&p, obs(4, 4), t1 + std::time::Duration::from_secs(60));
+        assert_eq!(again, s);
+    }
+
+    #[test]
+    fn a_change_of_desired_is_recorded_as_last_scale() {
+        let mut p = dp();
+        let t0 = Timestamp::from_second(1_800_000_000).expect("ts");
+        p.status = Some(desired_status(&p, obs(4, 4), t0));
+        let s = desired_status(&p, obs(6, 4), t0);
+        let last = s.last_scale.expect("lastScale");
+        assert_eq!(
+            (last.from, last.to, last.reason.as_str()),
+            (4, 6, "decoders.minReplicas")
+        );
+    }
+
+    #[test]
+    fn invalid_spec_is_degraded_and_not_ready() {
+        let mut o = obs(4, 4);
+        o.problems = vec!["decoders.image is empty".into()];
+        let s = desired_status(&dp(), o, Timestamp::from_second(1_800_000_000).expect("ts"));
+        assert_eq!(condition(&s, READY).reason, "InvalidSpec");
+        assert_eq!(condition(&s, DEGRADED).status, "True");
+    }
+}
