@@ -1,0 +1,545 @@
+//! The whole story on one machine, as a library so that the demo command and its end-to-end test
+//! run the same code:
+//!
+//! (a) a trainer pod on a GPU node loads its own batches synchronously: the GPU mostly waits;
+//! (b) a `DataPipeline` with autoscaling starts one decoder, on one CPU node whose NIC saturates;
+//! (c) the autoscaler scales the decoders in one step and spreads them over more nodes until
+//!     the trainer is fed.
+//!
+//! Every part is real: the control plane and its scheduler, the operator (in this process) with
+//! its webhook and autoscaler, Prometheus, the S3 server, and `stoker-loader` decode workers and
+//! sidecars running as processes inside per-node network namespaces whose NICs `tc` limits.
+
+use anyhow::{Context, Result, bail};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, CustomResourceExt, ResourceExt};
+use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use stoker_operator::api::DataPipeline;
+use stoker_operator::controller::build::BuildDefaults;
+use stoker_operator::webhook::WebhookConfig;
+use stoker_operator::webhook::inject::InjectConfig;
+use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
+use stoker_operator::{CancellationToken, Config};
+use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::prometheus::Prometheus;
+use stoker_testenv::runtime::NodeRuntime;
+use stoker_testenv::s3::S3Server;
+
+pub const NAMESPACE: &str = "training";
+pub const PIPELINE: &str = "demo";
+/// The image the node runtime maps to the loader binary.
+pub const LOADER_IMAGE: &str = "ghcr.io/stoker-dev/stoker-loader:0.1.0";
+/// The image the node runtime maps to `demo/trainer.py`.
+pub const TRAINER_IMAGE: &str = "ghcr.io/stoker-dev/stoker-sim-trainer:0.1.0";
+
+/// The story's knobs. The defaults fit a 2-core machine: demand that one throttled NIC cannot
+/// carry, but that a few decoders spread over CPU nodes can.
+#[derive(Clone, Debug)]
+pub struct StoryOptions {
+    pub bucket: String,
+    /// Phase (a): how long the synchronous baseline runs.
+    pub baseline: Duration,
+    /// Phases (b)+(c): the longest the autoscaler gets to feed the trainer.
+    pub recover_timeout: Duration,
+    /// The story ends once GPU busy stayed at or above `fed_busy_pct` this long.
+    pub settle: Duration,
+    pub fed_busy_pct: f64,
+    /// Simulated GPU time per batch.
+    pub step_ms: u32,
+    pub batch_size: u32,
+    pub image_size: u32,
+    pub max_decoders: u32,
+    /// Epochs the trainer runs in phase (b); 0 until the story ends.
+    pub epochs: u32,
+    /// Kill one decoder pod this long into phase (b).
+    pub kill_decoder_after: Option<Duration>,
+    /// Reports, delivered-key logs.
+    pub work_dir: PathBuf,
+}
+
+impl Default for StoryOptions {
+    fn default() -> Self {
+        Self {
+            bucket: "demo".into(),
+            baseline: Duration::from_secs(20),
+            recover_timeout: Duration::from_secs(240),
+            settle: Duration::from_secs(20),
+            fed_busy_pct: 85.0,
+            step_ms: 80,
+            batch_size: 16,
+            image_size: 224,
+            max_decoders: 8,
+            epochs: 0,
+            kill_decoder_after: None,
+            work_dir: std::env::temp_dir().join("stoker-demo"),
+        }
+    }
+}
+
+/// One line of the timeline.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Tick {
+    pub t: f64,
+    pub phase: &'static str,
+    pub busy_pct: f64,
+    pub wait_pct: f64,
+    pub decoders: usize,
+    pub nodes: usize,
+    pub busiest_nic_pct: f64,
+    pub busiest_nic_node: String,
+}
+
+/// One autoscaler decision, as `status.lastScale` recorded it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Decision {
+    pub t: f64,
+    pub from: i32,
+    pub to: i32,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StoryReport {
+    pub ticks: Vec<Tick>,
+    pub decisions: Vec<Decision>,
+    /// Mean GPU busy % over the baseline phase.
+    pub baseline_busy_pct: f64,
+    /// Mean GPU busy % over the last `settle` seconds of the story.
+    pub final_busy_pct: f64,
+    /// Seconds from the pipeline's creation until busy first held at the target for `settle`.
+    pub recovered_after_s: Option<f64>,
+    /// Nodes the serving decoders ran on at the end.
+    pub decoder_nodes: BTreeSet<String>,
+    /// Each CPU node's NIC utilization % over the last `settle` seconds.
+    pub final_nic_pct: BTreeMap<String, f64>,
+    /// `<epoch> <key>` per delivered sample, `<epoch> <key> skip:<reason>` per skip.
+    pub keys_file: PathBuf,
+    pub killed_decoder: Option<String>,
+}
+
+/// What the story runs against; the caller owns their lifetimes.
+pub struct Stage<'a> {
+    pub cluster: &'a ControlPlane,
+    pub runtime: &'a NodeRuntime,
+    pub prometheus: &'a Prometheus,
+    pub s3: &'a S3Server,
+}
+
+/// Runs (a), (b) and (c), calling `on_tick` every two seconds and `on_decision` for each new
+/// autoscaler decision. Leaves the cluster as it found it (namespace and operator gone).
+pub async fn run(
+    stage: &Stage<'_>,
+    opts: &StoryOptions,
+    mut on_tick: impl FnMut(&Tick),
+    mut on_decision: impl FnMut(&Decision),
+) -> Result<StoryReport> {
+    std::fs::create_dir_all(&opts.work_dir)?;
+    let client = stage.cluster.client().await?;
+    install_crd(&client).await?;
+    create_namespace(&client, stage.s3).await?;
+    let operator = start_operator(&client, stage).await?;
+    let result = story(&client, stage, opts, &mut on_tick, &mut on_decision).await;
+    operator.cancel();
+    let _ = Api::<Namespace>::all(client.clone())
+        .delete(NAMESPACE, &DeleteParams::background())
+        .await;
+    result
+}
+
+async fn story(
+    client: &Client,
+    stage: &Stage<'_>,
+    opts: &StoryOptions,
+    on_tick: &mut impl FnMut(&Tick),
+    on_decision: &mut impl FnMut(&Decision),
+) -> Result<StoryReport> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let dps: Api<DataPipeline> = Api::namespaced(client.clone(), NAMESPACE);
+    let started = Instant::now();
+    let mut watch = Watch::new(stage.runtime, opts)?;
+
+    // (a) The baseline: the trainer fetches and decodes its own batches.
+    let report_a = opts.work_dir.join("baseline.jsonl");
+    let _ = std::fs::remove_file(&report_a);
+    pods.create(&PostParams::default(), &trainer_pod("trainer-sync", None, opts, &report_a, stage))
+        .await
+        .context("create the baseline trainer")?;
+    let phase_end = Instant::now() + opts.baseline;
+    while Instant::now() < phase_end {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let tick = watch.tick(started, "baseline", &report_a, &[]).await?;
+        on_tick(&tick);
+    }
+    pods.delete("trainer-sync", &DeleteParams::default().grace_period(0)).await?;
+    let baseline_busy_pct = mean(watch.ticks.iter().filter(|t| t.phase == "baseline").map(|t| t.busy_pct));
+
+    // (b) The pipeline, autoscaled, from one decoder.
+    dps.create(&PostParams::default(), &pipeline(opts, stage)).await.context("create the DataPipeline")?;
+    let pipeline_created = Instant::now();
+    let report_b = opts.work_dir.join("pipeline.jsonl");
+    let keys_file = opts.work_dir.join("keys.txt");
+    let _ = std::fs::remove_file(&report_b);
+    let _ = std::fs::remove_file(&keys_file);
+    let trainer = trainer_pod("trainer-0", Some(&keys_file), opts, &report_b, stage);
+    create_when_webhook_ready(&pods, &trainer).await?;
+
+    let mut decisions: Vec<Decision> = Vec::new();
+    let mut last_scale_time = None;
+    let mut fed_since: Option<Instant> = None;
+    let mut recovered_after_s = None;
+    let mut killed_decoder = None;
+    let deadline = pipeline_created + opts.recover_timeout;
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let decoders = serving_decoders(&pods).await?;
+        let tick = watch.tick(started, "pipeline", &report_b, &decoders).await?;
+        on_tick(&tick);
+
+        if let Some(record) = dps.get_status(PIPELINE).await?.status.and_then(|s| s.last_scale)
+            && last_scale_time.as_ref() != Some(&record.time)
+        {
+            last_scale_time = Some(record.time.clone());
+            let decision = Decision {
+                t: started.elapsed().as_secs_f64(),
+                from: record.from,
+                to: record.to,
+                reason: record.reason,
+            };
+            on_decision(&decision);
+            decisions.push(decision);
+        }
+
+        if let Some(after) = opts.kill_decoder_after
+            && killed_decoder.is_none()
+            && pipeline_created.elapsed() >= after
+            && let Some(victim) = decoders.first()
+        {
+            let name = victim.name_any();
+            pods.delete(&name, &DeleteParams::default().grace_period(0)).await?;
+            killed_decoder = Some(name);
+        }
+
+        let trainer_done = trainer_finished(&pods).await?;
+        if tick.busy_pct >= opts.fed_busy_pct {
+            let since = *fed_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= opts.settle && recovered_after_s.is_none() {
+                recovered_after_s = Some((since - pipeline_created).as_secs_f64());
+            }
+        } else if !trainer_done {
+            fed_since = None;
+        }
+        let settled = recovered_after_s.is_some() && opts.epochs == 0;
+        if settled || trainer_done || Instant::now() > deadline {
+            break;
+        }
+    }
+
+    let settle_ticks = (opts.settle.as_secs() / 2).max(1) as usize;
+    let recent: Vec<&Tick> = watch.ticks.iter().rev().filter(|t| t.phase == "pipeline").take(settle_ticks).collect();
+    let final_busy_pct = mean(recent.iter().map(|t| t.busy_pct));
+    let decoder_nodes = serving_decoders(&pods).await?.iter().filter_map(node_of).collect();
+    let final_nic_pct = watch.mean_nic_pct(settle_ticks);
+    pods.delete("trainer-0", &DeleteParams::default().grace_period(0)).await.ok();
+    dps.delete(PIPELINE, &DeleteParams::background()).await.ok();
+    Ok(StoryReport {
+        ticks: watch.ticks,
+        decisions,
+        baseline_busy_pct,
+        final_busy_pct,
+        recovered_after_s,
+        decoder_nodes,
+        final_nic_pct,
+        keys_file,
+        killed_decoder,
+    })
+}
+
+/// Samples the trainer's report and every node's NIC counters.
+struct Watch<'a> {
+    runtime: &'a NodeRuntime,
+    nics: BTreeMap<String, (u32, (u64, u64))>,
+    last: Instant,
+    ticks: Vec<Tick>,
+    /// Per tick, each CPU node's NIC utilization %.
+    nic_history: Vec<BTreeMap<String, f64>>,
+    report_lines_seen: usize,
+}
+
+impl<'a> Watch<'a> {
+    fn new(runtime: &'a NodeRuntime, _opts: &StoryOptions) -> Result<Self> {
+        let mut nics = BTreeMap::new();
+        for node in runtime.node_names() {
+            nics.insert(node.clone(), (runtime.nic_mbit(&node)?, runtime.nic_counters(&node)?));
+        }
+        Ok(Self { runtime, nics, last: Instant::now(), ticks: Vec::new(), nic_history: Vec::new(), report_lines_seen: 0 })
+    }
+
+    async fn tick(&mut self, started: Instant, phase: &'static str, report: &std::path::Path, decoders: &[Pod]) -> Result<Tick> {
+        let wall = self.last.elapsed().as_secs_f64().max(0.001);
+        self.last = Instant::now();
+        let mut busiest = (String::new(), 0.0);
+        let mut utilization = BTreeMap::new();
+        for (node, (mbit, counters)) in self.nics.iter_mut() {
+            let now = self.runtime.nic_counters(node)?;
+            let bytes = (now.0 - counters.0).max(now.1 - counters.1) as f64;
+            *counters = now;
+            let pct = 100.0 * bytes * 8.0 / (f64::from(*mbit) * 1e6 * wall);
+            if node.starts_with("cpu-") {
+                utilization.insert(node.clone(), pct);
+            }
+            if pct > busiest.1 {
+                busiest = (node.clone(), pct);
+            }
+        }
+        self.nic_history.push(utilization);
+        // The trainer appends one line a second; average the lines since the last tick.
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(report)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        if lines.len() < self.report_lines_seen {
+            self.report_lines_seen = 0;
+        }
+        let fresh = &lines[self.report_lines_seen.min(lines.len())..];
+        self.report_lines_seen = lines.len();
+        let field = |name: &str| mean(fresh.iter().filter_map(|l| l[name].as_f64()));
+        let nodes: BTreeSet<String> = decoders.iter().filter_map(node_of).collect();
+        let tick = Tick {
+            t: (started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
+            phase,
+            busy_pct: field("busy_pct"),
+            wait_pct: field("wait_pct"),
+            decoders: decoders.len(),
+            nodes: nodes.len(),
+            busiest_nic_pct: busiest.1,
+            busiest_nic_node: busiest.0,
+        };
+        self.ticks.push(tick.clone());
+        Ok(tick)
+    }
+
+    fn mean_nic_pct(&self, last_ticks: usize) -> BTreeMap<String, f64> {
+        let recent = &self.nic_history[self.nic_history.len().saturating_sub(last_ticks)..];
+        let mut out = BTreeMap::new();
+        for node in recent.iter().flat_map(|m| m.keys()).collect::<BTreeSet<_>>() {
+            out.insert(node.clone(), mean(recent.iter().filter_map(|m| m.get(node).copied())));
+        }
+        out
+    }
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    if n == 0 { 0.0 } else { sum / n as f64 }
+}
+
+fn node_of(pod: &Pod) -> Option<String> {
+    pod.spec.as_ref()?.node_name.clone()
+}
+
+/// Decoder pods that serve: Ready and not draining.
+async fn serving_decoders(pods: &Api<Pod>) -> Result<Vec<Pod>> {
+    let selector = format!("stoker.dev/pipeline={PIPELINE},stoker.dev/role=decoder");
+    Ok(pods
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| !stoker_operator::controller::fleet::is_draining(p))
+        .filter(stoker_operator::controller::fleet::is_ready)
+        .collect())
+}
+
+async fn trainer_finished(pods: &Api<Pod>) -> Result<bool> {
+    let phase = pods.get_opt("trainer-0").await?.and_then(|p| p.status?.phase);
+    Ok(matches!(phase.as_deref(), Some("Succeeded") | Some("Failed")))
+}
+
+async fn install_crd(client: &Client) -> Result<()> {
+    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+        Api::all(client.clone());
+    let crd = DataPipeline::crd();
+    crds.patch(&crd.name_any(), &PatchParams::apply("stoker-demo").force(), &Patch::Apply(&crd)).await?;
+    let dps: Api<DataPipeline> = Api::all(client.clone());
+    for _ in 0..150 {
+        if dps.list(&ListParams::default().limit(1)).await.is_ok() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    bail!("the DataPipeline CRD was not served within 30s")
+}
+
+async fn create_namespace(client: &Client, s3: &S3Server) -> Result<()> {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?;
+    namespaces.create(&PostParams::default(), &ns).await.context("create namespace")?;
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "s3-creds"},
+        "stringData": {"AWS_ACCESS_KEY_ID": s3.access_key(), "AWS_SECRET_ACCESS_KEY": s3.secret_key()},
+    }))?;
+    Api::<Secret>::namespaced(client.clone(), NAMESPACE).create(&PostParams::default(), &secret).await?;
+    // Pods are refused until the namespace's default service account exists.
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> = Api::namespaced(client.clone(), NAMESPACE);
+    for _ in 0..150 {
+        if accounts.get_opt("default").await?.is_some() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    bail!("namespace {NAMESPACE} got no default service account")
+}
+
+/// The operator, in this process: controller, webhook (self-managed TLS on loopback) and the
+/// autoscaler reading the real Prometheus.
+async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<CancellationToken> {
+    let mwc_name = "stoker-demo-injector";
+    let mwcs: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+    let _ = mwcs.delete(mwc_name, &DeleteParams::default()).await;
+    mwcs.create(&PostParams::default(), &webhook_configuration(mwc_name, "https://127.0.0.1:1/mutate")?).await?;
+    let webhook = WebhookConfig {
+        listen: "127.0.0.1:0".parse()?,
+        tls: TlsSource::SelfManaged(SelfManaged {
+            secret_namespace: NAMESPACE.into(),
+            secret_name: "stoker-webhook-tls".into(),
+            dns_names: vec![format!("stoker-webhook.{NAMESPACE}.svc")],
+            ip_addresses: vec!["127.0.0.1".parse()?],
+            webhook_configuration: mwc_name.into(),
+            validity: Duration::from_secs(86_400),
+            renew_before: Duration::from_secs(3_600),
+        }),
+        refresh_interval: Duration::from_secs(60),
+        inject: InjectConfig { loader_image: LOADER_IMAGE.into(), sidecar_resources: None },
+    };
+    let config = Config {
+        watch_namespace: Some(NAMESPACE.into()),
+        lease: None,
+        defaults: BuildDefaults { loader_image: LOADER_IMAGE.into() },
+        webhook: Some(webhook),
+        metrics_listen: None,
+        autoscaler: Some(stoker_operator::AutoscalerConfig::new(stage.prometheus.url())),
+    };
+    let shutdown = CancellationToken::new();
+    let running = stoker_operator::start(client.clone(), config, shutdown.clone()).await?;
+    let port = running.webhook_addr.context("webhook address")?.port();
+    // The operator wrote its CA into the configuration; now point it at the operator's port.
+    for _ in 0..150 {
+        let mut mwc = mwcs.get(mwc_name).await?;
+        let hook = &mut mwc.webhooks.as_mut().context("webhooks")?[0];
+        if hook.client_config.ca_bundle.is_some() {
+            hook.client_config.url = Some(format!("https://127.0.0.1:{port}/mutate"));
+            mwcs.replace(mwc_name, &PostParams::default(), &mwc).await?;
+            return Ok(shutdown);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    bail!("the operator did not write the webhook's caBundle")
+}
+
+fn webhook_configuration(name: &str, url: &str) -> Result<MutatingWebhookConfiguration> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "webhooks": [{
+            "name": "inject.stoker.dev",
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "failurePolicy": "Fail",
+            "reinvocationPolicy": "IfNeeded",
+            "timeoutSeconds": 10,
+            "clientConfig": {"url": url},
+            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
+                       "resources": ["pods"], "scope": "Namespaced"}],
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+            "objectSelector": {"matchExpressions": [
+                {"key": "stoker.dev/pipeline", "operator": "Exists"},
+                {"key": "stoker.dev/role", "operator": "NotIn", "values": ["decoder"]}
+            ]}
+        }]
+    }))?)
+}
+
+/// The webhook is reachable a moment after its configuration points at it.
+async fn create_when_webhook_ready(pods: &Api<Pod>, pod: &Pod) -> Result<()> {
+    let mut last = None;
+    for _ in 0..100 {
+        match pods.create(&PostParams::default(), pod).await {
+            Ok(_) => return Ok(()),
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    bail!("create {}: {:?}", pod.name_any(), last)
+}
+
+fn pipeline(opts: &StoryOptions, stage: &Stage<'_>) -> DataPipeline {
+    serde_json::from_value(json!({
+        "apiVersion": "stoker.dev/v1alpha1",
+        "kind": "DataPipeline",
+        "metadata": {"name": PIPELINE},
+        "spec": {
+            "source": {"s3": {
+                "bucket": opts.bucket, "endpoint": stage.s3.endpoint(), "region": "us-east-1",
+                "forcePathStyle": true, "credentialsSecretRef": {"name": "s3-creds"},
+            }},
+            "transform": {"resize": {"mode": "crop", "width": opts.image_size, "height": opts.image_size}},
+            "batch": {"size": opts.batch_size, "shuffleSeed": 42, "dropLast": true},
+            "trainer": {"prefetchBatches": 8, "sharedMemory": "256Mi"},
+            "decoders": {
+                "minReplicas": 1, "maxReplicas": opts.max_decoders, "drainSeconds": 2,
+                "nodeSelector": {"stoker.dev/pool": "cpu"},
+                "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
+            },
+            "autoscaling": {
+                "mode": "auto", "targetDataWaitPercent": 5, "maxNicUtilizationPercent": 80,
+                "scaleDownStabilizationSeconds": 300,
+            },
+        }
+    }))
+    .expect("the story's DataPipeline is valid JSON for the CRD types")
+}
+
+/// A trainer pod on a GPU node. With `keys` it opts into the pipeline (the webhook injects the
+/// sidecar) and logs every delivered key; without, it loads synchronously from S3.
+fn trainer_pod(name: &str, keys: Option<&std::path::Path>, opts: &StoryOptions, report: &std::path::Path, stage: &Stage<'_>) -> Pod {
+    let step = opts.step_ms.to_string();
+    let batch = opts.batch_size.to_string();
+    let size = opts.image_size.to_string();
+    let epochs = opts.epochs.to_string();
+    let report = report.display().to_string();
+    let (labels, args) = match keys {
+        Some(keys) => (
+            json!({"app": "trainer", "stoker.dev/pipeline": PIPELINE}),
+            json!(["--mode", "sidecar", "--step-ms", step, "--epochs", epochs, "--report", report,
+                   "--keys-out", keys.display().to_string()]),
+        ),
+        None => (
+            json!({"app": "trainer"}),
+            json!(["--mode", "sync", "--step-ms", step, "--batch-size", batch, "--size", size,
+                   "--endpoint", stage.s3.endpoint(), "--bucket", opts.bucket, "--report", report]),
+        ),
+    };
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {"kubernetes.io/hostname": "gpu-0"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [{
+                "name": "trainer", "image": TRAINER_IMAGE, "args": args,
+                "env": [
+                    {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}}},
+                    {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY"}}},
+                ],
+                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+            }],
+        }
+    }))
+    .expect("the trainer pod is valid JSON for Pod")
+}

@@ -1,0 +1,142 @@
+//! `stoker-demo`: the story on one machine, told as it unfolds (see the library's docs).
+//! `scripts/demo.sh` builds everything, generates the dataset and runs this.
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+use stoker_demo::{Decision, StoryOptions, StoryReport, Tick};
+use stoker_testenv::cluster::{ControlPlane, Options};
+use stoker_testenv::prometheus::{Prometheus, PrometheusOptions};
+use stoker_testenv::runtime::{ImageMapping, NodeRuntime, RuntimeOptions};
+use stoker_testenv::s3::S3ServerConfig;
+
+#[derive(Parser)]
+#[command(about = "A starved trainer, a DataPipeline, and the autoscaler feeding it")]
+struct Cli {
+    /// Directory holding one folder per bucket (the dataset the S3 server serves).
+    #[arg(long)]
+    data: PathBuf,
+    #[arg(long, default_value = "demo")]
+    bucket: String,
+    /// Python with numpy, boto3, pillow and the `stoker` client (scripts/python-env.sh).
+    #[arg(long)]
+    python: PathBuf,
+    /// The simulated trainer.
+    #[arg(long, default_value = "demo/trainer.py")]
+    trainer: PathBuf,
+    /// The stoker-loader binary the decoder and sidecar containers run.
+    #[arg(long)]
+    loader: PathBuf,
+    /// Where the timeline, the plot and the logs go.
+    #[arg(long, default_value = "demo-out")]
+    out: PathBuf,
+    /// Each CPU node's NIC, in Mbit/s (the simulated 25 Gb/s scaled to this machine).
+    #[arg(long, default_value_t = 80)]
+    cpu_nic_mbit: u32,
+    /// Each GPU node's NIC, in Mbit/s.
+    #[arg(long, default_value_t = 2000)]
+    gpu_nic_mbit: u32,
+    #[arg(long, default_value_t = 20)]
+    baseline_secs: u64,
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt().with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())).init();
+    std::fs::create_dir_all(&cli.out)?;
+    let out = std::fs::canonicalize(&cli.out)?;
+    let trainer = std::fs::canonicalize(&cli.trainer).context("the simulated trainer script")?;
+
+    println!("starting: control plane (etcd, kube-apiserver, controller-manager, scheduler, KWOK)");
+    let cluster_dir = out.join("cluster");
+    let _ = std::fs::remove_dir_all(&cluster_dir);
+    let cluster = tokio::task::block_in_place(|| ControlPlane::start(Options { dir: Some(cluster_dir), ..Default::default() }))?;
+    let mut nic_mbit = BTreeMap::new();
+    for node in cluster.nodes() {
+        let mbit = if node.gpus > 0 { cli.gpu_nic_mbit } else { cli.cpu_nic_mbit };
+        nic_mbit.insert(node.name.clone(), mbit);
+    }
+    println!("starting: node runtime (a network namespace per node, NICs limited with tc: CPU nodes {} Mbit/s, GPU nodes {} Mbit/s)", cli.cpu_nic_mbit, cli.gpu_nic_mbit);
+    let runtime = tokio::task::block_in_place(|| {
+        NodeRuntime::start(
+            &cluster,
+            RuntimeOptions {
+                loader_bin: cli.loader.clone(),
+                images: vec![ImageMapping::new("*stoker-sim-trainer*", [cli.python.display().to_string(), trainer.display().to_string()])],
+                nic_mbit,
+                dir: Some(out.join("runtime")),
+                ..RuntimeOptions::default()
+            },
+        )
+    })?;
+    let s3 = runtime.start_s3(S3ServerConfig::new(&cli.data))?;
+    println!("starting: S3 at {} (bucket {}), Prometheus, the operator", s3.endpoint(), cli.bucket);
+    let prometheus = tokio::task::block_in_place(|| {
+        Prometheus::start(PrometheusOptions { scrape_interval: Duration::from_secs(2), ..PrometheusOptions::new(runtime.sd_dir()) })
+    })?;
+
+    let opts = StoryOptions {
+        bucket: cli.bucket.clone(),
+        baseline: Duration::from_secs(cli.baseline_secs),
+        recover_timeout: Duration::from_secs(cli.timeout_secs),
+        work_dir: out.clone(),
+        ..StoryOptions::default()
+    };
+    let stage = stoker_demo::Stage { cluster: &cluster, runtime: &runtime, prometheus: &prometheus, s3: &s3 };
+    println!("\n{:>6}  {:<9} {:>6} {:>10} {:>9} {:>6}  {:>16}", "t(s)", "phase", "busy%", "data wait%", "decoders", "nodes", "busiest NIC");
+    let story = tokio::select! {
+        r = stoker_demo::run(&stage, &opts, print_tick, print_decision) => r,
+        _ = tokio::signal::ctrl_c() => {
+            println!("\ninterrupted: stopping everything");
+            runtime.shutdown();
+            return Ok(());
+        }
+    };
+    let report = story?;
+    summarize(&report);
+    std::fs::write(out.join("timeline.json"), serde_json::to_string_pretty(&report)?)?;
+    let plot = out.join("story.png");
+    let status = std::process::Command::new(&cli.python)
+        .arg(trainer.with_file_name("plot.py"))
+        .arg(out.join("timeline.json"))
+        .arg(&plot)
+        .status()?;
+    if status.success() {
+        println!("plot: {}", plot.display());
+    }
+    runtime.shutdown();
+    Ok(())
+}
+
+fn print_tick(t: &Tick) {
+    println!(
+        "{:>6.0}  {:<9} {:>6.1} {:>10.1} {:>9} {:>6}  {:>6.0}% {:<8}",
+        t.t, t.phase, t.busy_pct, t.wait_pct, t.decoders, t.nodes, t.busiest_nic_pct, t.busiest_nic_node
+    );
+}
+
+fn print_decision(d: &Decision) {
+    println!("        autoscaler: {} → {} decoders: {}", d.from, d.to, d.reason);
+}
+
+fn summarize(r: &StoryReport) {
+    println!("\n== summary");
+    println!("  GPU busy, trainer loading synchronously: {:>5.1}%", r.baseline_busy_pct);
+    println!("  GPU busy, fed by stoker (end):           {:>5.1}%", r.final_busy_pct);
+    match r.recovered_after_s {
+        Some(s) => println!("  time from DataPipeline to fed:           {s:>5.0} s"),
+        None => println!("  the trainer was not fed within the timeout"),
+    }
+    println!("  decoders at the end: on {} node(s): {:?}", r.decoder_nodes.len(), r.decoder_nodes);
+    let nic: Vec<String> = r.final_nic_pct.iter().filter(|(_, p)| **p >= 1.0).map(|(n, p)| format!("{n} {p:.0}%")).collect();
+    println!("  CPU-node NIC use at the end: {}", nic.join(", "));
+    println!("  autoscaler decisions: {}", r.decisions.len());
+    for d in &r.decisions {
+        println!("    t={:>4.0}s {} → {}: {}", d.t, d.from, d.to, d.reason);
+    }
+}
