@@ -312,12 +312,25 @@ async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
                 "name": "decoder", "image": "ghcr.io/stoker-dev/stoker-loader:test",
                 "args": ["decode", "--metrics", "0.0.0.0:9090"],
                 "ports": [{"name": "metrics", "containerPort": 9090}],
+                "readinessProbe": {"httpGet": {"path": "/metrics", "port": "metrics"}, "periodSeconds": 1},
             }],
             "terminationGracePeriodSeconds": 5,
         }
     }))
     .unwrap();
     pods.create(&PostParams::default(), &pod).await.unwrap();
+    // Same, but its readiness probe asks a port nothing listens on: it never becomes Ready.
+    let mut unready = pod.clone();
+    unready.metadata.name = Some("decoder-1".into());
+    unready.spec.as_mut().unwrap().containers[0]
+        .readiness_probe
+        .as_mut()
+        .unwrap()
+        .http_get
+        .as_mut()
+        .unwrap()
+        .port = k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(9999);
+    pods.create(&PostParams::default(), &unready).await.unwrap();
     // A trainer with the loader as a native sidecar: the sidecar runs and is scraped too.
     let trainer: Pod = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
@@ -392,7 +405,27 @@ async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
     )
     .await;
 
-    for name in ["decoder-0", "trainer-0"] {
+    let ready = |pod: &Pod| {
+        pod.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+            .map(|c| c.status == "True")
+    };
+    eventually(
+        "decoder-1 to be not Ready (its probe fails)",
+        Duration::from_secs(30),
+        || async { (!ready(&pods.get("decoder-1").await.ok()?)?).then_some(()) },
+    )
+    .await;
+    eventually(
+        "decoder-0 to be Ready (its probe passes)",
+        Duration::from_secs(30),
+        || async { ready(&pods.get("decoder-0").await.ok()?)?.then_some(()) },
+    )
+    .await;
+
+    for name in ["decoder-0", "decoder-1", "trainer-0"] {
         pods.delete(name, &DeleteParams::default()).await.unwrap();
     }
     let sd = rt.sd_dir().join("loaders.json");

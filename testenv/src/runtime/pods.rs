@@ -14,11 +14,14 @@
 use super::net::NetNode;
 use anyhow::{Context, Result, anyhow};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::Api;
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::process::Component;
@@ -106,6 +109,7 @@ struct ContainerRun {
     env: Vec<(String, String)>,
     loader: bool,
     metrics_port: u16,
+    readiness: Option<Readiness>,
     process: Option<Component>,
     restarts: u32,
     started: Instant,
@@ -122,6 +126,7 @@ struct ContainerReport {
     name: String,
     restarts: u32,
     running: bool,
+    ready: bool,
     finished: bool,
     last_exit: Option<i32>,
 }
@@ -272,6 +277,7 @@ impl PodRun {
         for (c, loader, command) in runnable {
             let mounts = mounts_of(c, &volumes);
             let metrics_port = metrics_port(c);
+            let readiness = Readiness::of(c);
             let mut env = resolve_env(client, pod, c, ip).await?;
             let mut extra = vec![
                 ("POD_IP".to_string(), ip.to_string()),
@@ -303,6 +309,7 @@ impl PodRun {
                 env,
                 loader,
                 metrics_port,
+                readiness,
                 process: None,
                 restarts: 0,
                 started: now,
@@ -350,9 +357,15 @@ impl PodRun {
             }
             if let Some(p) = &mut c.process {
                 let Some(status) = p.exited() else {
+                    if let Some(r) = &mut c.readiness {
+                        r.probe(self.ip, now);
+                    }
                     continue;
                 };
                 c.process = None;
+                if let Some(r) = &mut c.readiness {
+                    r.reset();
+                }
                 c.last_exit = Some(
                     status
                         .code()
@@ -420,6 +433,7 @@ impl PodRun {
                 name: c.name.clone(),
                 restarts: c.restarts,
                 running: c.process.is_some(),
+                ready: c.process.is_some() && c.readiness.as_ref().is_none_or(Readiness::ok),
                 finished: c.finished,
                 last_exit: c.last_exit,
             })
@@ -437,7 +451,7 @@ impl PodRun {
         }
         let first = self.reported.is_none();
         self.reported = Some(report.clone());
-        if first && report.iter().all(|r| r.running && r.restarts == 0) {
+        if first && report.iter().all(|r| r.ready && r.restarts == 0) {
             return None;
         }
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
@@ -453,7 +467,7 @@ impl PodRun {
                     continue;
                 };
                 entry["restartCount"] = r.restarts.into();
-                entry["ready"] = r.running.into();
+                entry["ready"] = r.ready.into();
                 entry["started"] = r.running.into();
                 entry["state"] = if r.running {
                     serde_json::json!({"running": {"startedAt": now}})
@@ -471,7 +485,7 @@ impl PodRun {
             }
             list
         };
-        let ready = report.iter().all(|r| r.running);
+        let ready = report.iter().all(|r| r.ready);
         let ready = if ready { "True" } else { "False" };
         let mut patch = serde_json::json!({"status": {
             "conditions": [
@@ -544,6 +558,95 @@ impl PodRun {
         }
         tracing::info!(pod = %self.name, node = %self.node, "pod stopped");
     }
+}
+
+/// A container's HTTP readiness probe, run from the root namespace against the pod IP.
+struct Readiness {
+    port: u16,
+    path: String,
+    period: Duration,
+    next: Instant,
+    ok: Arc<AtomicBool>,
+    in_flight: Arc<AtomicBool>,
+}
+
+impl Readiness {
+    /// `readinessProbe.httpGet` over plain HTTP; other probes are not run (the container
+    /// counts as ready while its process runs).
+    fn of(c: &Container) -> Option<Readiness> {
+        let probe = c.readiness_probe.as_ref()?;
+        let get = probe.http_get.as_ref()?;
+        if get.scheme.as_deref().is_some_and(|s| s != "HTTP") {
+            return None;
+        }
+        let port = match &get.port {
+            IntOrString::Int(p) => u16::try_from(*p).ok()?,
+            IntOrString::String(name) => c
+                .ports
+                .iter()
+                .flatten()
+                .find(|p| p.name.as_deref() == Some(name.as_str()))
+                .and_then(|p| u16::try_from(p.container_port).ok())?,
+        };
+        Some(Readiness {
+            port,
+            path: get.path.clone().unwrap_or_else(|| "/".into()),
+            period: Duration::from_secs(probe.period_seconds.unwrap_or(10).clamp(1, 10) as u64),
+            next: Instant::now(),
+            ok: Arc::default(),
+            in_flight: Arc::default(),
+        })
+    }
+
+    fn ok(&self) -> bool {
+        self.ok.load(Ordering::SeqCst)
+    }
+
+    fn reset(&mut self) {
+        self.ok.store(false, Ordering::SeqCst);
+        self.next = Instant::now();
+    }
+
+    /// Starts a probe when one is due (on the calling tokio runtime).
+    fn probe(&mut self, ip: Ipv4Addr, now: Instant) {
+        if now < self.next || self.in_flight.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Probe often until the first success, then at the pod's period.
+        self.next = now
+            + if self.ok() {
+                self.period
+            } else {
+                Duration::from_millis(500)
+            };
+        let (ok, in_flight) = (self.ok.clone(), self.in_flight.clone());
+        let addr = std::net::SocketAddr::from((ip, self.port));
+        let path = self.path.clone();
+        tokio::spawn(async move {
+            let result =
+                tokio::time::timeout(Duration::from_secs(1), http_status(addr, &path)).await;
+            ok.store(
+                matches!(result, Ok(Ok(status)) if (200..400).contains(&status)),
+                Ordering::SeqCst,
+            );
+            in_flight.store(false, Ordering::SeqCst);
+        });
+    }
+}
+
+async fn http_status(addr: std::net::SocketAddr, path: &str) -> std::io::Result<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut head = [0u8; 64];
+    let n = stream.read(&mut head).await?;
+    let line = String::from_utf8_lossy(&head[..n]);
+    line.split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other("no HTTP status"))
 }
 
 fn write_volume(
