@@ -10,6 +10,13 @@
 //! the runtime's directory, and args and env values that name a mount path are rewritten to
 //! that directory. Env comes from `env` (values, `$(VAR)` references, fieldRef, secretKeyRef,
 //! configMapKeyRef) and `envFrom`, on top of the runtime's own environment.
+//!
+//! Pod status follows the processes: restart counts, the last exit code, Ready from the
+//! process being up and its HTTP readiness probe (if any) passing, and Succeeded/Failed once
+//! every process of a pod that does not restart has ended. Not run: ordinary init containers
+//! (only native sidecars, `restartPolicy: Always`), exec/TCP and startup/liveness probes,
+//! resource limits. A stopped pod's address stays on `eth0` until the runtime stops (KWOK may
+//! give it to the next pod of the node, which then reuses it).
 
 use super::net::NetNode;
 use anyhow::{Context, Result, anyhow};
