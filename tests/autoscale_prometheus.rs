@@ -100,6 +100,12 @@ fn exposition() -> (Vec<Series>, Vec<(&'static str, String, f64)>) {
             r#"device="ens5",node="gpu-1""#,
             1.0e6,
         ),
+        // A node of another workload whose NIC is busy: new decoders must avoid it too.
+        series(
+            "node_network_transmit_bytes_total",
+            r#"device="eth0",node="cpu-9""#,
+            1.125e9,
+        ),
     ];
     let gauges = vec![
         ("stoker_loader_pool_threads", a.clone(), 4.0),
@@ -108,6 +114,11 @@ fn exposition() -> (Vec<Series>, Vec<(&'static str, String, f64)>) {
         (
             "node_network_speed_bytes",
             r#"device="eth0",node="cpu-1""#.to_string(),
+            1.25e9,
+        ),
+        (
+            "node_network_speed_bytes",
+            r#"device="eth0",node="cpu-9""#.to_string(),
             1.25e9,
         ),
     ];
@@ -372,7 +383,7 @@ async fn signals_from_a_real_prometheus() {
 
     // The signals drive a decision: data wait 25% > 5%, demand 240 ÷ 0.75 = 320/s, 140 samples/s
     // over 1.25 busy decoders = 112/s each: 320 × 1.2 ÷ 112 → 4 decoders. cpu-1 sends 64% of its
-    // link: under the 80% limit, nothing is moved.
+    // link: under the 80% limit, nothing is moved; cpu-9, at 90%, takes no new decoder.
     let fleet = DecoderFleet {
         replicas: 2,
         pods: [("decoder-a", "cpu-1"), ("decoder-b", "cpu-1")]
@@ -397,7 +408,16 @@ async fn signals_from_a_real_prometheus() {
     );
     assert_eq!(d.replicas, 4, "{}", d.reason);
     assert!(d.conditions.starved && !d.conditions.metrics_unavailable);
-    assert!(d.move_pods.is_empty() && d.avoid_nodes.is_empty(), "{d:?}");
+    assert!(d.move_pods.is_empty(), "{d:?}");
+    assert_eq!(d.avoid_nodes, ["cpu-9"]);
+    let nic = d
+        .observed
+        .max_nic_utilization_percent
+        .expect("NIC utilization");
+    assert!(
+        (nic - 64.0).abs() < 2.0,
+        "the pipeline's busiest NIC is cpu-1's: {nic}"
+    );
 }
 
 #[tokio::test]

@@ -547,9 +547,11 @@ fn observe(d: &mut ScaleDecision, policy: &AutoscalingPolicy, fleet: &DecoderFle
     d.observed.gpu_utilization_percent = s.gpu_utilization_percent;
     d.observed.samples_per_second = s.consumption_per_second;
     d.observed.s3_throttles_per_second = s.s3_throttles_per_second;
-    d.observed.max_nic_utilization_percent = s
-        .nodes
-        .keys()
+    // The pipeline's own nodes: Prometheus answers for every node of the cluster.
+    d.observed.max_nic_utilization_percent = fleet
+        .pods
+        .values()
+        .chain(fleet.trainer_nodes.keys())
         .filter_map(|n| nic_utilization(policy, fleet, s, n))
         .reduce(f64::max)
         .map(|u| u * 100.0);

@@ -8,6 +8,8 @@
 //! - `{window}`: the rate window, e.g. `60s`;
 //! - `{trainer_pods}`, `{nodes}`: regex alternations of the trainer pods and of the nodes
 //!   that run the pipeline's pods (node-exporter and dcgm-exporter carry no pipeline label).
+//!   The default node queries read every node: new decoders must avoid any node whose NIC is
+//!   past the limit, not only the pipeline's; `node=~"{nodes}"` narrows them on big clusters.
 //!
 //! Queries that return one value per pod are keyed by `pod_label`, per node by `node_label`.
 
@@ -83,12 +85,12 @@ impl Default for QueryTemplates {
             s3_throttles: format!("sum(rate(stoker_loader_s3_throttles_total{{{decoder}}}[{{window}}]))"),
             s3_requests: format!("sum(rate(stoker_loader_s3_requests_total{{{decoder}}}[{{window}}]))"),
             node_receive: format!(
-                r#"sum by (node) (rate(node_network_receive_bytes_total{{{NIC_DEVICES},node=~"{{nodes}}"}}[{{window}}]))"#
+                r#"sum by (node) (rate(node_network_receive_bytes_total{{{NIC_DEVICES}}}[{{window}}]))"#
             ),
             node_transmit: format!(
-                r#"sum by (node) (rate(node_network_transmit_bytes_total{{{NIC_DEVICES},node=~"{{nodes}}"}}[{{window}}]))"#
+                r#"sum by (node) (rate(node_network_transmit_bytes_total{{{NIC_DEVICES}}}[{{window}}]))"#
             ),
-            node_link_speed: format!(r#"sum by (node) (node_network_speed_bytes{{{NIC_DEVICES},node=~"{{nodes}}"}})"#),
+            node_link_speed: format!(r#"sum by (node) (node_network_speed_bytes{{{NIC_DEVICES}}})"#),
             pod_label: "pod".to_string(),
             node_label: "node".to_string(),
         }
@@ -212,15 +214,11 @@ impl PrometheusSignals {
             q("s3_throttles", &t.s3_throttles),
             q("s3_requests", &t.s3_requests),
         )?;
-        let (receive, transmit, link) = if scope.nodes.is_empty() {
-            (Vec::new(), Vec::new(), Vec::new())
-        } else {
-            futures::try_join!(
-                q("node_receive", &t.node_receive),
-                q("node_transmit", &t.node_transmit),
-                q("node_link_speed", &t.node_link_speed),
-            )?
-        };
+        let (receive, transmit, link) = futures::try_join!(
+            q("node_receive", &t.node_receive),
+            q("node_transmit", &t.node_transmit),
+            q("node_link_speed", &t.node_link_speed),
+        )?;
 
         let mut decoders: BTreeMap<String, DecoderSignal> = BTreeMap::new();
         for (pod, v) in by_label(&samples, &t.pod_label) {
@@ -361,7 +359,11 @@ mod tests {
         );
         assert_eq!(
             render(&t.node_receive, &scope()),
-            r#"sum by (node) (rate(node_network_receive_bytes_total{device=~"eth.*|en.*|ib.*|bond.*",node=~"gpu-1\\.example|cpu-2"}[90s]))"#
+            r#"sum by (node) (rate(node_network_receive_bytes_total{device=~"eth.*|en.*|ib.*|bond.*"}[90s]))"#
+        );
+        assert_eq!(
+            render(r#"up{node=~"{nodes}"}"#, &scope()),
+            r#"up{node=~"gpu-1\\.example|cpu-2"}"#
         );
         assert!(render(&t.gpu_utilization, &scope()).contains(r#"pod=~"trainer-0|trainer-1""#));
     }
