@@ -639,3 +639,37 @@ fn elastic_trainers_leaving_release_decoders_without_the_window() {
     assert_eq!(r.replicas_at(660), 8, "{:?}", r.trace());
     r.assert_fed_after("trainers leaving", 605, 1500);
 }
+
+#[test]
+fn a_decoder_node_nic_that_starves_the_trainers() {
+    let mut world = World::new(8, 30.0, 0.1, 14);
+    // cpu-1's 0.75 Gb/s link carries only 156 samples/s: its 4 decoders deliver a quarter of
+    // their rate and the trainers wait 6%. Adding decoders would not help; moving them does.
+    world
+        .cpu_nodes
+        .insert("cpu-1".to_string(), gbps_to_bytes_per_second(0.75));
+    let r = run(world, 1200, |_, _| {});
+    r.assert_sound("starving decoder NIC", 0.0);
+    let (_, first) = &r.decisions[0];
+    assert!(first.conditions.starved, "{}", first.reason);
+    assert_eq!(first.move_pods.len(), 1, "{}", first.reason);
+    assert_eq!(
+        first.replicas, 14,
+        "moves, not more decoders: {}",
+        first.reason
+    );
+    r.assert_fed_after("starving decoder NIC", 0, 1200);
+    // Moves off one node wait until the window shows the last one.
+    let moves: Vec<u64> = r
+        .decisions
+        .iter()
+        .filter(|(_, d)| !d.move_pods.is_empty())
+        .map(|(t, _)| *t)
+        .collect();
+    for pair in moves.windows(2) {
+        assert!(
+            pair[1] - pair[0] >= 2 * r.policy.window.as_secs(),
+            "moves at {moves:?}"
+        );
+    }
+}
