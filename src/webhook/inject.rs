@@ -14,9 +14,7 @@ use kube::ResourceExt;
 
 use crate::api::{ANNOTATION_INJECTED, DataPipeline, LABEL_ROLE, ROLE_TRAINER};
 use crate::controller::build::decoder_pod::{credentials_env_from, restricted_security_context};
-use crate::controller::build::{
-    CONFIG_DIR, CONFIG_FILE, config_map_name, decoder_discovery_selector,
-};
+use crate::controller::build::{CONFIG_DIR, config_map_name, decoder_discovery_selector};
 
 pub const SIDECAR_NAME: &str = "stoker-loader";
 pub const SHM_VOLUME: &str = "stoker-shm";
@@ -159,7 +157,6 @@ fn field_env(name: &str, path: &str) -> EnvVar {
 /// The loader sidecar container.
 pub fn sidecar(dp: &DataPipeline, cfg: &InjectConfig) -> Container {
     let pipeline = dp.name_any();
-    let namespace = dp.namespace().unwrap_or_default();
     let probe = |period: i32, failures: i32| Probe {
         http_get: Some(HTTPGetAction {
             path: Some("/readyz".to_string()),
@@ -170,27 +167,13 @@ pub fn sidecar(dp: &DataPipeline, cfg: &InjectConfig) -> Container {
         failure_threshold: Some(failures),
         ..Probe::default()
     };
-    let args = [
-        "sidecar",
-        "--pipeline",
-        &pipeline,
-        "--namespace",
-        &namespace,
-        "--config",
-        &format!("{CONFIG_DIR}/{CONFIG_FILE}"),
-        "--socket",
-        SOCKET_PATH,
-        "--shm-dir",
-        SHM_DIR,
-        "--discovery",
-        "kubernetes",
-        "--decoder-selector",
+    let args = crate::controller::build::loader_args::sidecar_args(
+        dp,
         &decoder_discovery_selector(&pipeline),
-        "--metrics",
-        &format!("0.0.0.0:{SIDECAR_HEALTH_PORT}"),
-    ]
-    .map(String::from)
-    .to_vec();
+        SOCKET_PATH,
+        SHM_DIR,
+        SIDECAR_HEALTH_PORT,
+    );
     let mut security = restricted_security_context();
     security.run_as_user = Some(65532);
     Container {
@@ -281,8 +264,11 @@ mod tests {
             .expect("startup probe");
         assert_eq!(startup.path.as_deref(), Some("/readyz"));
         let args = sidecar.args.clone().expect("args").join(" ");
-        assert!(args.contains("sidecar --pipeline qwen3vl-pretrain --namespace training"));
-        assert!(args.contains("--discovery kubernetes --decoder-selector stoker.dev/pipeline=qwen3vl-pretrain,stoker.dev/role=decoder"));
+        assert!(args.starts_with("sidecar --bucket "), "{args}");
+        assert!(args.contains(
+            "--workers-selector stoker.dev/pipeline=qwen3vl-pretrain,stoker.dev/role=decoder"
+        ));
+        assert!(args.contains("--workers-namespace training"), "{args}");
         let shm = spec
             .volumes
             .as_ref()

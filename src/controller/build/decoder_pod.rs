@@ -16,7 +16,7 @@ use kube::ResourceExt;
 use sha2::{Digest, Sha256};
 
 use super::{
-    BuildDefaults, CONFIG_DIR, CONFIG_FILE, DECODER_GRPC_PORT, DECODER_METRICS_PORT, child_meta,
+    BuildDefaults, CONFIG_DIR, DECODER_GRPC_PORT, DECODER_METRICS_PORT, child_meta,
     config_map_name, decoder_selector_labels,
 };
 use crate::api::{DataPipeline, LABEL_DRAINING, LABEL_ROLE, LABEL_TEMPLATE_HASH, ROLE_DECODER};
@@ -98,19 +98,7 @@ pub fn decoder_pod_spec(dp: &DataPipeline, defaults: &BuildDefaults) -> PodSpec 
                 .clone()
                 .unwrap_or_else(|| defaults.loader_image.clone()),
         ),
-        args: Some(
-            [
-                "decode",
-                "--listen",
-                &format!("0.0.0.0:{DECODER_GRPC_PORT}"),
-                "--metrics",
-                &format!("0.0.0.0:{DECODER_METRICS_PORT}"),
-                "--config",
-                &format!("{CONFIG_DIR}/{CONFIG_FILE}"),
-            ]
-            .map(String::from)
-            .to_vec(),
-        ),
+        args: Some(super::loader_args::decoder_args(dp)),
         env: Some(vec![EnvVar {
             name: "STOKER_PIPELINE".to_string(),
             value: Some(name.clone()),

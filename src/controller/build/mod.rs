@@ -3,6 +3,7 @@
 
 pub mod config_map;
 pub mod decoder_pod;
+pub mod loader_args;
 pub mod network_policy;
 pub mod service;
 pub mod sidecar_rbac;
@@ -154,7 +155,10 @@ mod tests {
         );
         let c = &spec.containers[0];
         let args = c.args.clone().expect("args").join(" ");
-        assert!(args.starts_with("decode --listen 0.0.0.0:50051 --metrics 0.0.0.0:9090"));
+        assert!(
+            args.starts_with("decode --grpc-addr 0.0.0.0:50051 --http-addr 0.0.0.0:9090"),
+            "{args}"
+        );
         let probe = c
             .readiness_probe
             .as_ref()
