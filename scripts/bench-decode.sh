@@ -16,9 +16,9 @@ SETS=${BENCH_SETS:-"mixed imagenet"}
 COUNT=${BENCH_COUNT:-1000}
 EPOCHS=${BENCH_EPOCHS:-2}
 DATA=${BENCH_DATA:-$HOME/.cache/stoker/bench-data}
-S3_PORT=${BENCH_S3_PORT:-19000}
-GRPC_PORT=${BENCH_GRPC_PORT:-19051}
-HTTP_PORT=${BENCH_HTTP_PORT:-19090}
+S3_PORT=${BENCH_S3_PORT:-27100}
+GRPC_PORT=${BENCH_GRPC_PORT:-27151}
+HTTP_PORT=${BENCH_HTTP_PORT:-27190}
 export AWS_ACCESS_KEY_ID=stoker-bench AWS_SECRET_ACCESS_KEY=stoker-bench-secret
 export AWS_REGION=us-east-1 AWS_DEFAULT_REGION=us-east-1 AWS_EC2_METADATA_DISABLED=true
 
@@ -36,8 +36,10 @@ fi
 VENV=$(bash bench/setup.sh | tail -1)
 PY="$VENV/bin/python"
 
-cargo build --release -q -p stoker-loader --bin stoker-loader
-cargo build --release -q -p stoker-testenv --bin stoker-s3
+if [ -z "${BENCH_NO_BUILD:-}" ]; then
+  cargo build --release -q -p stoker-loader --bin stoker-loader
+  cargo build --release -q -p stoker-testenv --bin stoker-s3
+fi
 BIN="$ROOT_DIR/target/release"
 
 for set in $SETS; do
@@ -56,34 +58,59 @@ for set in $SETS; do
 done
 
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$SERVE"; }
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$SERVE" "${TIMEF:-}"; }
 trap cleanup EXIT
 
 "$BIN/stoker-s3" --root "$SERVE" --port "$S3_PORT" \
   --access-key "$AWS_ACCESS_KEY_ID" --secret-key "$AWS_SECRET_ACCESS_KEY" >/dev/null 2>&1 &
-PIDS+=($!)
+S3PID=$!
+PIDS+=("$S3PID")
 ENDPOINT="http://127.0.0.1:$S3_PORT"
 for _ in $(seq 100); do (echo >/dev/tcp/127.0.0.1/"$S3_PORT") 2>/dev/null && break; sleep 0.1; done
 
+# CPU seconds of a live process (user + system), from /proc.
+TCK=$(getconf CLK_TCK)
+cpu_of() { awk -v t="$TCK" '{printf "%.2f", ($14 + $15) / t}' "/proc/$1/stat"; }
+# CPU seconds of a finished command, from GNU time's output file.
+cpu_file() { awk '{printf "%.2f", $1 + $2}' "$1"; }
+TIMEF=$(mktemp)
+
 RESULTS=()
 for set in $SETS; do
-  echo "== $set: $(find "$SERVE/$set" -type f | wc -l) objects, $(du -sh "$SERVE/$set" | cut -f1), $CORES cores"
+  N=$(find "$SERVE/$set" -type f | wc -l)
+  echo "== $set: $N objects, $(du -shL "$SERVE/$set" | cut -f1), $CORES cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
   "$BIN/stoker-loader" decode --grpc-addr "127.0.0.1:$GRPC_PORT" --http-addr "127.0.0.1:$HTTP_PORT" \
     --threads "$CORES" --endpoint "$ENDPOINT" --force-path-style >/dev/null 2>/tmp/stoker-bench-worker.log &
   WPID=$!
   PIDS+=("$WPID")
   for _ in $(seq 100); do (echo >/dev/tcp/127.0.0.1/"$GRPC_PORT") 2>/dev/null && break; sleep 0.1; done
-  S=$("$BIN/stoker-loader" bench --worker "http://127.0.0.1:$GRPC_PORT" --bucket "$set" \
-      --endpoint "$ENDPOINT" --force-path-style --epochs "$EPOCHS" --batch-size 32 --in-flight 4 --json)
+  S3_0=$(cpu_of "$S3PID")
+  S=$(/usr/bin/time -f "%U %S" -o "$TIMEF" "$BIN/stoker-loader" bench --worker "http://127.0.0.1:$GRPC_PORT" \
+      --bucket "$set" --endpoint "$ENDPOINT" --force-path-style --epochs "$EPOCHS" --batch-size 32 \
+      --in-flight 4 --json)
+  S_CPU=$(awk -v a="$(cpu_file "$TIMEF")" -v b="$(cpu_of "$WPID")" -v c="$(cpu_of "$S3PID")" -v d="$S3_0" \
+      'BEGIN {printf "%.2f", a + b + c - d}')
   kill -TERM "$WPID"; wait "$WPID" || true
-  B=$("$PY" bench/baseline_dataloader.py --endpoint "$ENDPOINT" --bucket "$set" \
-      --workers "$CORES" --epochs "$EPOCHS" --json)
-  SR=$(echo "$S" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["images_per_second"])')
-  BR=$(echo "$B" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["images_per_second"])')
-  LINE=$("$PY" -c "s,b,c=$SR,$BR,$CORES; print(f'$set: stoker {s:.1f} images/s ({s/c:.1f}/core), baseline {b:.1f} images/s ({b/c:.1f}/core), ratio {s/b:.2f}x')")
+  S3_0=$(cpu_of "$S3PID")
+  B=$(/usr/bin/time -f "%U %S" -o "$TIMEF" "$PY" bench/baseline_dataloader.py --endpoint "$ENDPOINT" \
+      --bucket "$set" --workers "$CORES" --epochs "$EPOCHS" --json)
+  B_CPU=$(awk -v a="$(cpu_file "$TIMEF")" -v c="$(cpu_of "$S3PID")" -v d="$S3_0" 'BEGIN {printf "%.2f", a + c - d}')
+  LINE=$(S="$S" B="$B" "$PY" - "$set" "$CORES" "$N" "$EPOCHS" "$S_CPU" "$B_CPU" <<'PYEOF'
+import json, os, sys
+name, cores, n, epochs, s_cpu, b_cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
+s, b = json.loads(os.environ["S"]), json.loads(os.environ["B"])
+sr, br = s["images_per_second"], b["images_per_second"]
+# Images per CPU-second over the whole run (every process on each side, S3 server included):
+# robust to other load on the machine, which wall-clock rates are not.
+se, be = n * epochs / s_cpu, n * epochs / b_cpu
+print(f"{name}: stoker {sr:.1f} images/s ({sr / cores:.1f}/core), baseline {br:.1f} images/s "
+      f"({br / cores:.1f}/core), ratio {sr / br:.2f}x | per CPU-second: stoker {se:.1f}, "
+      f"baseline {be:.1f}, ratio {se / be:.2f}x")
+PYEOF
+)
   echo "$LINE"
   RESULTS+=("$LINE")
 done
 echo
-echo "== summary ($CORES cores, $(date -u +%F))"
+echo "== summary ($CORES cores, $(date -u '+%F %H:%M'), load $(cut -d' ' -f1-3 /proc/loadavg))"
 printf '%s\n' "${RESULTS[@]}"

@@ -47,7 +47,8 @@ impl SampleMeta {
     }
 }
 
-/// CPU time spent per stage, summed over samples, plus the wall time of each pass.
+/// CPU time spent per stage, summed over samples (thread CPU time, so other processes on the
+/// machine do not inflate it), plus the wall time of each pass.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BatchTimings {
     pub decode_cpu: Duration,
@@ -224,7 +225,7 @@ fn decode_into(
     SCRATCH.with(|cell| {
         let mut guard = cell.borrow_mut();
         let scratch = &mut *guard;
-        let t0 = Instant::now();
+        let t0 = thread_cpu_time();
         let (ow, oh) = plan.probe.oriented_size();
         let min = match transform.min_source_size(ow, oh) {
             Ok((mw, mh)) if plan.probe.orientation.swaps_axes() => Some((mh, mw)),
@@ -235,7 +236,11 @@ fn decode_into(
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(key, reason = %e.category(), error = %e, "skipping sample");
-                return (Err(e.category()), t0.elapsed(), Duration::ZERO);
+                return (
+                    Err(e.category()),
+                    thread_cpu_time().saturating_sub(t0),
+                    Duration::ZERO,
+                );
             }
         };
         let (src, sw, sh) = if plan.probe.orientation == decode::Orientation::Normal {
@@ -250,15 +255,35 @@ fn decode_into(
             );
             (&scratch.oriented, w, h)
         };
-        let t1 = Instant::now();
+        let t1 = thread_cpu_time();
         let result = transform.apply(src, sw, sh, plan.out, slot, &mut scratch.resizer);
-        let t2 = Instant::now();
+        let t2 = thread_cpu_time();
         match result {
-            Ok(()) => (Ok(()), t1 - t0, t2 - t1),
+            Ok(()) => (Ok(()), t1.saturating_sub(t0), t2.saturating_sub(t1)),
             Err(e) => {
                 tracing::warn!(key, reason = "bad_geometry", error = %e, "skipping sample");
-                (Err(SkipReason::BadGeometry), t1 - t0, t2 - t1)
+                (
+                    Err(SkipReason::BadGeometry),
+                    t1.saturating_sub(t0),
+                    t2.saturating_sub(t1),
+                )
             }
         }
     })
+}
+
+/// CPU time of the calling thread. Per-sample stage times use it rather than wall time: on a
+/// shared node, wall time would count other processes' slices as our decode time.
+pub fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime only writes the timespec we pass; CLOCK_THREAD_CPUTIME_ID exists on
+    // every Linux the loader runs on.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }

@@ -122,6 +122,7 @@ pub async fn run_profile(
             );
             let mut skips: BTreeMap<String, u64> = BTreeMap::new();
             let t0 = Instant::now();
+            let c0 = crate::batch::thread_cpu_time();
             for chunk in samples.chunks(32) {
                 let b = decode_batch(chunk, &transform, &limits);
                 agg.0 += b.timings.decode_cpu;
@@ -135,7 +136,8 @@ pub async fn run_profile(
                     }
                 }
             }
-            (agg, skips, t0.elapsed())
+            let cpu = crate::batch::thread_cpu_time().saturating_sub(c0);
+            (agg, skips, t0.elapsed(), cpu.as_secs_f64())
         };
         match pool {
             Ok(p) => p.install(|| run(&samples)),
@@ -144,13 +146,17 @@ pub async fn run_profile(
     })
     .await
     .unwrap_or_default();
-    let ((decode, resize, pack, decoded, out_bytes), skips, wall) = cpu;
+    let ((decode, resize, pack, decoded, out_bytes), skips, wall, cpu_secs) = cpu;
 
     let n = decoded.max(1) as f64;
-    let per_core = if wall.is_zero() {
-        0.0
-    } else {
+    // Per core from the thread's CPU time, not wall time: on a busy node other processes'
+    // time slices would count as ours. One thread did all the work.
+    let per_core = if cpu_secs > 0.0 {
+        decoded as f64 / cpu_secs
+    } else if !wall.is_zero() {
         decoded as f64 / wall.as_secs_f64()
+    } else {
+        0.0
     };
     let decoded_bytes_per_image = out_bytes as f64 / n;
     Ok(ProfileReport {

@@ -196,7 +196,11 @@ impl DecodeService for DecodeWorker {
         // Decode and resize run interleaved in one parallel pass: split its wall time by
         // their CPU shares.
         let cpu = (tm.decode_cpu + tm.resize_cpu).as_secs_f64();
-        let resize_share = if cpu > 0.0 { tm.resize_cpu.as_secs_f64() / cpu } else { 0.0 };
+        let resize_share = if cpu > 0.0 {
+            tm.resize_cpu.as_secs_f64() / cpu
+        } else {
+            0.0
+        };
         let resize_wall = tm.decode_wall.mul_f64(resize_share);
         let decode_wall = tm.decode_wall.saturating_sub(resize_wall);
         let decoded = batch.decoded_count().max(1) as u32;
