@@ -197,6 +197,22 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         },
     )
     .await;
+    // The health and metrics endpoints the chart's probes and PodMonitor use.
+    let addr = op.metrics_addr.expect("metrics address");
+    assert_eq!(http_get(addr, "/healthz").await.0, 200);
+    assert_eq!(http_get(addr, "/readyz").await.0, 200);
+    let (code, body) = http_get(addr, "/metrics").await;
+    assert_eq!(code, 200);
+    for family in [
+        "stoker_reconciles_total",
+        "stoker_reconcile_duration_seconds_bucket",
+        "stoker_decoders{",
+    ] {
+        assert!(
+            body.contains(family),
+            "{family} missing from /metrics:\n{body}"
+        );
+    }
     let metrics = op.metrics.encode();
     assert!(
         !metrics.contains("category=\"forbidden\""),

@@ -160,6 +160,18 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
             .try_collect::<Vec<()>>(),
     )?;
     let reference = dp.object_ref(&());
+    if plan.create > 0 || !plan.drain.is_empty() || !plan.delete.is_empty() {
+        tracing::info!(
+            pipeline = %dp.name_any(),
+            %namespace,
+            desired,
+            created = plan.create,
+            draining = plan.drain.len(),
+            deleted = plan.delete.len(),
+            failed = plan.failed,
+            "decoder fleet changed"
+        );
+    }
     if plan.create > 0 || !plan.drain.is_empty() || plan.failed > 0 {
         let note = format!(
             "decoders: {desired} desired; created {}, draining {}, replaced {} failed",

@@ -20,18 +20,31 @@ pub fn validate(spec: &DataPipelineSpec, defaults: &BuildDefaults) -> Vec<String
     if spec.decoders.min_replicas > spec.decoders.max_replicas {
         problems.push("decoders.minReplicas must not exceed decoders.maxReplicas".into());
     }
-    if spec.trainer.shared_memory.parse::<u64>().is_err()
-        && !spec
-            .trainer
-            .shared_memory
-            .trim_end_matches(|c: char| c.is_ascii_alphabetic())
-            .chars()
-            .all(|c| c.is_ascii_digit() || c == '.')
-    {
-        problems.push(format!(
-            "trainer.sharedMemory {:?} is not a quantity",
-            spec.trainer.shared_memory
-        ));
-    }
     problems
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> DataPipelineSpec {
+        let dp: crate::api::DataPipeline =
+            serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
+                .expect("fixture");
+        dp.spec
+    }
+
+    #[test]
+    fn a_valid_spec_has_no_problems() {
+        assert!(validate(&spec(), &BuildDefaults::default()).is_empty());
+    }
+
+    #[test]
+    fn reports_what_the_api_server_may_not_have_checked() {
+        let mut s = spec();
+        s.decoders.min_replicas = 99;
+        s.decoders.image = Some(" ".into());
+        let problems = validate(&s, &BuildDefaults::default());
+        assert_eq!(problems.len(), 2, "{problems:?}");
+    }
 }
