@@ -25,13 +25,18 @@ impl TestCa {
         let key_pem = key.serialize_pem();
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, common_name);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, common_name);
         params.key_usages = vec![
             KeyUsagePurpose::KeyCertSign,
             KeyUsagePurpose::CrlSign,
             KeyUsagePurpose::DigitalSignature,
         ];
-        Ok(Self { issuer: CertifiedIssuer::self_signed(params, key)?, key_pem })
+        Ok(Self {
+            issuer: CertifiedIssuer::self_signed(params, key)?,
+            key_pem,
+        })
     }
 
     pub fn cert_pem(&self) -> String {
@@ -44,8 +49,11 @@ impl TestCa {
 
     /// A server certificate valid for `names` (DNS names or IP addresses).
     pub fn serving(&self, common_name: &str, names: &[&str]) -> Result<CertPair> {
-        let mut params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
-        params.distinguished_name.push(DnType::CommonName, common_name);
+        let mut params =
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
+        params
+            .distinguished_name
+            .push(DnType::CommonName, common_name);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         self.sign(params)
     }
@@ -55,7 +63,9 @@ impl TestCa {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.distinguished_name.push(DnType::CommonName, user);
         for group in groups {
-            params.distinguished_name.push(DnType::OrganizationName, *group);
+            params
+                .distinguished_name
+                .push(DnType::OrganizationName, *group);
         }
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         self.sign(params)
@@ -64,7 +74,10 @@ impl TestCa {
     fn sign(&self, params: CertificateParams) -> Result<CertPair> {
         let key = KeyPair::generate()?;
         let cert = params.signed_by(&key, &self.issuer)?;
-        Ok(CertPair { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+        Ok(CertPair {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
     }
 }
 

@@ -35,7 +35,10 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Self { dir: None, nodes: default_nodes() }
+        Self {
+            dir: None,
+            nodes: default_nodes(),
+        }
     }
 }
 
@@ -55,9 +58,12 @@ pub fn bin_dir() -> PathBuf {
     if let Ok(dir) = std::env::var("STOKER_BIN_DIR") {
         return PathBuf::from(dir);
     }
-    let cache = std::env::var("STOKER_CACHE").map(PathBuf::from).unwrap_or_else(|_| {
-        PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/root".into())).join(".cache/stoker")
-    });
+    let cache = std::env::var("STOKER_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/root".into()))
+                .join(".cache/stoker")
+        });
     cache.join("bin")
 }
 
@@ -73,9 +79,11 @@ impl ControlPlane {
     pub fn shared() -> &'static ControlPlane {
         static SHARED: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
         let result = SHARED.get_or_init(|| {
-            std::thread::spawn(|| ControlPlane::start(Options::default()).map_err(|e| format!("{e:#}")))
-                .join()
-                .unwrap_or_else(|_| Err("control plane start-up panicked".into()))
+            std::thread::spawn(|| {
+                ControlPlane::start(Options::default()).map_err(|e| format!("{e:#}"))
+            })
+            .join()
+            .unwrap_or_else(|_| Err("control plane start-up panicked".into()))
         });
         match result {
             Ok(cp) => cp,
@@ -86,9 +94,19 @@ impl ControlPlane {
     /// Starts every component, registers the simulated nodes and waits until they are Ready.
     pub fn start(options: Options) -> Result<ControlPlane> {
         let bin_dir = bin_dir();
-        for bin in ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kubectl"] {
+        for bin in [
+            "etcd",
+            "kube-apiserver",
+            "kube-controller-manager",
+            "kube-scheduler",
+            "kwok",
+            "kubectl",
+        ] {
             if !bin_dir.join(bin).exists() {
-                bail!("{} not found: run scripts/tools.sh to build the control plane", bin_dir.join(bin).display());
+                bail!(
+                    "{} not found: run scripts/tools.sh to build the control plane",
+                    bin_dir.join(bin).display()
+                );
             }
         }
         let (tempdir, dir) = match options.dir {
@@ -97,7 +115,9 @@ impl ControlPlane {
                 (None, dir)
             }
             None => {
-                let t = tempfile::Builder::new().prefix("stoker-cluster-").tempdir()?;
+                let t = tempfile::Builder::new()
+                    .prefix("stoker-cluster-")
+                    .tempdir()?;
                 let dir = t.path().to_path_buf();
                 (Some(t), dir)
             }
@@ -107,7 +127,14 @@ impl ControlPlane {
         let ca = TestCa::new("stoker-test-ca")?;
         let serving = ca.serving(
             "kube-apiserver",
-            &["127.0.0.1", "localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "10.96.0.1"],
+            &[
+                "127.0.0.1",
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "10.96.0.1",
+            ],
         )?;
         let admin = ca.client("stoker-admin", &["system:masters"])?;
         let (sa_key, sa_pub) = service_account_key()?;
@@ -149,7 +176,9 @@ impl ControlPlane {
             ],
             &logs,
         )?);
-        cp.wait_for("etcd", Duration::from_secs(60), || http_ok(etcd_port, "/health"))?;
+        cp.wait_for("etcd", Duration::from_secs(60), || {
+            http_ok(etcd_port, "/health")
+        })?;
 
         let api_port = free_port()?;
         cp.server = format!("https://127.0.0.1:{api_port}");
@@ -178,7 +207,11 @@ impl ControlPlane {
         )?);
         cp.write_kubeconfig(&admin.cert_pem, &admin.key_pem)?;
         let kubectl_ready = || {
-            cp.kubectl().args(["get", "--raw", "/readyz"]).output().map(|o| o.status.success()).unwrap_or(false)
+            cp.kubectl()
+                .args(["get", "--raw", "/readyz"])
+                .output()
+                .map(|o| o.status.success())
+                .unwrap_or(false)
         };
         cp.wait_for("kube-apiserver", Duration::from_secs(120), kubectl_ready)?;
 
@@ -232,27 +265,43 @@ impl ControlPlane {
             &logs,
         )?);
 
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
         runtime.block_on(cp.register_nodes())?;
         Ok(cp)
     }
 
     fn run(&self, component: Component) {
-        self.components.lock().unwrap_or_else(|e| e.into_inner()).push(component);
+        self.components
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(component);
     }
 
     /// Polls `ready` until it holds; fails early, with the logs, when a component has exited.
-    fn wait_for(&self, what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) -> Result<()> {
+    fn wait_for(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
             if ready() {
                 return Ok(());
             }
             if let Some(dead) = self.exited_component() {
-                bail!("{dead} exited while waiting for {what}\n{}", self.logs_tail(40));
+                bail!(
+                    "{dead} exited while waiting for {what}\n{}",
+                    self.logs_tail(40)
+                );
             }
             if Instant::now() > deadline {
-                bail!("timed out after {timeout:?} waiting for {what}\n{}", self.logs_tail(40));
+                bail!(
+                    "timed out after {timeout:?} waiting for {what}\n{}",
+                    self.logs_tail(40)
+                );
             }
             std::thread::sleep(Duration::from_millis(200));
         }
@@ -276,7 +325,13 @@ impl ControlPlane {
         }
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
-            let ready = nodes.list(&Default::default()).await?.items.iter().filter(|n| node_ready(n)).count();
+            let ready = nodes
+                .list(&Default::default())
+                .await?
+                .items
+                .iter()
+                .filter(|n| node_ready(n))
+                .count();
             // The service-account controller has created `default` once kube-controller-manager runs.
             let sa_ready = Api::<ServiceAccount>::namespaced(client.clone(), "default")
                 .get_opt("default")
@@ -286,7 +341,10 @@ impl ControlPlane {
                 return Ok(());
             }
             if let Some(dead) = self.exited_component() {
-                bail!("{dead} exited while waiting for nodes\n{}", self.logs_tail(40));
+                bail!(
+                    "{dead} exited while waiting for nodes\n{}",
+                    self.logs_tail(40)
+                );
             }
             if Instant::now() > deadline {
                 bail!(
@@ -317,25 +375,36 @@ impl ControlPlane {
     /// An admin (`system:masters`) client, bound to the calling tokio runtime.
     pub async fn client(&self) -> Result<kube::Client> {
         let kubeconfig = Kubeconfig::read_from(&self.kubeconfig)?;
-        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+        let config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
         Ok(kube::Client::try_from(config)?)
     }
 
     /// A client that authenticates as a ServiceAccount, with a token from the TokenRequest API,
     /// so that a test runs code with exactly the RBAC that account is granted.
-    pub async fn client_for_service_account(&self, namespace: &str, name: &str) -> Result<kube::Client> {
+    pub async fn client_for_service_account(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<kube::Client> {
         let admin = self.client().await?;
         let accounts: Api<ServiceAccount> = Api::namespaced(admin, namespace);
         let request = TokenRequest {
             metadata: ObjectMeta::default(),
-            spec: Some(TokenRequestSpec { expiration_seconds: Some(3600), ..Default::default() }),
+            spec: Some(TokenRequestSpec {
+                expiration_seconds: Some(3600),
+                ..Default::default()
+            }),
             status: None,
         };
         let token: TokenRequest = accounts
             .create_subresource("token", name, &PostParams::default(), &request)
             .await
             .with_context(|| format!("token for serviceaccount {namespace}/{name}"))?;
-        let token = token.status.and_then(|s| s.token).ok_or_else(|| anyhow!("TokenRequest returned no token"))?;
+        let token = token
+            .status
+            .and_then(|s| s.token)
+            .ok_or_else(|| anyhow!("TokenRequest returned no token"))?;
         let mut config = kube::Config::new(self.server.parse()?);
         config.root_cert = Some(vec![pem_to_der(&self.ca_pem)?]);
         config.auth_info.token = Some(token.into());
@@ -346,11 +415,23 @@ impl ControlPlane {
     /// A fresh namespace for one test, deleted when the returned guard drops.
     pub async fn namespace(&'static self, prefix: &str) -> TestNamespace {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
-        let name = format!("{prefix}-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
+        let name = format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
         let result: Result<kube::Client> = async {
             let client = self.client().await?;
-            let ns = Namespace { metadata: ObjectMeta { name: Some(name.clone()), ..Default::default() }, ..Default::default() };
-            Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+            let ns = Namespace {
+                metadata: ObjectMeta {
+                    name: Some(name.clone()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            Api::<Namespace>::all(client.clone())
+                .create(&PostParams::default(), &ns)
+                .await?;
             // Pods are refused until the namespace's default service account exists.
             let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), &name);
             let deadline = Instant::now() + Duration::from_secs(30);
@@ -364,8 +445,15 @@ impl ControlPlane {
         }
         .await;
         match result {
-            Ok(client) => TestNamespace { name, client, cluster: self },
-            Err(e) => panic!("create test namespace {name}: {e:#}\n{}", self.logs_tail(40)),
+            Ok(client) => TestNamespace {
+                name,
+                client,
+                cluster: self,
+            },
+            Err(e) => panic!(
+                "create test namespace {name}: {e:#}\n{}",
+                self.logs_tail(40)
+            ),
         }
     }
 
@@ -379,8 +467,10 @@ impl ControlPlane {
     /// `helm` with this cluster's kubeconfig.
     pub fn helm(&self) -> Command {
         let mut cmd = Command::new(self.bin_dir.join("helm"));
-        cmd.env("KUBECONFIG", &self.kubeconfig).env("HELM_CACHE_HOME", self.dir.join("helm/cache"));
-        cmd.env("HELM_CONFIG_HOME", self.dir.join("helm/config")).env("HELM_DATA_HOME", self.dir.join("helm/data"));
+        cmd.env("KUBECONFIG", &self.kubeconfig)
+            .env("HELM_CACHE_HOME", self.dir.join("helm/cache"));
+        cmd.env("HELM_CONFIG_HOME", self.dir.join("helm/config"))
+            .env("HELM_DATA_HOME", self.dir.join("helm/data"));
         cmd
     }
 
@@ -413,7 +503,14 @@ impl ControlPlane {
         let components = self.components.lock().unwrap_or_else(|e| e.into_inner());
         components
             .iter()
-            .map(|c| format!("----- {} ({}) -----\n{}", c.name, c.log.display(), c.log_tail(lines)))
+            .map(|c| {
+                format!(
+                    "----- {} ({}) -----\n{}",
+                    c.name,
+                    c.log.display(),
+                    c.log_tail(lines)
+                )
+            })
             .collect::<Vec<_>>()
             .join("\n")
     }
@@ -457,9 +554,17 @@ impl TestNamespace {
 impl Drop for TestNamespace {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!("test in namespace {} failed; control plane logs:\n{}", self.name, self.cluster.logs_tail(60));
+            eprintln!(
+                "test in namespace {} failed; control plane logs:\n{}",
+                self.name,
+                self.cluster.logs_tail(60)
+            );
         }
-        let _ = self.cluster.kubectl().args(["delete", "namespace", &self.name, "--wait=false"]).output();
+        let _ = self
+            .cluster
+            .kubectl()
+            .args(["delete", "namespace", &self.name, "--wait=false"])
+            .output();
     }
 }
 

@@ -68,8 +68,14 @@ impl SimNode {
             ("kubernetes.io/hostname".to_string(), self.name.clone()),
             ("kubernetes.io/os".to_string(), "linux".to_string()),
             ("kubernetes.io/arch".to_string(), "amd64".to_string()),
-            ("topology.kubernetes.io/zone".to_string(), self.zone.to_string()),
-            ("node.kubernetes.io/instance-type".to_string(), self.instance_type.to_string()),
+            (
+                "topology.kubernetes.io/zone".to_string(),
+                self.zone.to_string(),
+            ),
+            (
+                "node.kubernetes.io/instance-type".to_string(),
+                self.instance_type.to_string(),
+            ),
             (POOL_LABEL.to_string(), pool.to_string()),
             ("type".to_string(), "kwok".to_string()),
         ]);
@@ -79,11 +85,17 @@ impl SimNode {
         ]);
         let mut resources = BTreeMap::from([
             ("cpu".to_string(), Quantity(self.cpu.to_string())),
-            ("memory".to_string(), Quantity(format!("{}Gi", self.memory_gi))),
+            (
+                "memory".to_string(),
+                Quantity(format!("{}Gi", self.memory_gi)),
+            ),
             ("pods".to_string(), Quantity("110".to_string())),
         ]);
         if self.gpus > 0 {
-            resources.insert("nvidia.com/gpu".to_string(), Quantity(self.gpus.to_string()));
+            resources.insert(
+                "nvidia.com/gpu".to_string(),
+                Quantity(self.gpus.to_string()),
+            );
         }
         let taints = (self.pool == Pool::Gpu).then(|| {
             vec![Taint {
@@ -100,7 +112,10 @@ impl SimNode {
                 annotations: Some(annotations),
                 ..Default::default()
             },
-            spec: Some(NodeSpec { taints, ..Default::default() }),
+            spec: Some(NodeSpec {
+                taints,
+                ..Default::default()
+            }),
             status: Some(NodeStatus {
                 capacity: Some(resources.clone()),
                 allocatable: Some(resources),

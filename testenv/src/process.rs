@@ -46,7 +46,10 @@ impl Component {
         let log = log_dir.join(format!("{name}.log"));
         let out = File::create(&log)?;
         let mut cmd = Command::new(program);
-        cmd.args(args).stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
         let parent = std::process::id() as libc::pid_t;
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
@@ -65,8 +68,14 @@ impl Component {
         spawner()
             .send((cmd, tx))
             .map_err(|_| io::Error::other("spawner thread is gone"))?;
-        let child = rx.recv().map_err(|_| io::Error::other("spawner thread is gone"))??;
-        Ok(Self { name: name.to_string(), log, child })
+        let child = rx
+            .recv()
+            .map_err(|_| io::Error::other("spawner thread is gone"))??;
+        Ok(Self {
+            name: name.to_string(),
+            log,
+            child,
+        })
     }
 
     pub fn pid(&self) -> u32 {

@@ -36,7 +36,9 @@ enum Cmd {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    let dir = cli.dir.unwrap_or_else(|| stoker_testenv::cluster::bin_dir().with_file_name("dev-cluster"));
+    let dir = cli
+        .dir
+        .unwrap_or_else(|| stoker_testenv::cluster::bin_dir().with_file_name("dev-cluster"));
     match cli.command {
         Cmd::Up { background: false } => up(&dir),
         Cmd::Up { background: true } => up_background(&dir),
@@ -50,7 +52,11 @@ fn pid_file(dir: &Path) -> PathBuf {
 
 /// The pid of a cluster already running from `dir`, if any.
 fn running(dir: &Path) -> Option<i32> {
-    let pid: i32 = std::fs::read_to_string(pid_file(dir)).ok()?.trim().parse().ok()?;
+    let pid: i32 = std::fs::read_to_string(pid_file(dir))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
     // SAFETY: signal 0 only checks that the process exists.
     (unsafe { libc::kill(pid, 0) } == 0).then_some(pid)
 }
@@ -59,13 +65,19 @@ fn print_ready(dir: &Path) {
     let kubeconfig = dir.join("kubeconfig");
     println!("cluster ready: 4 GPU nodes and 8 CPU nodes (KWOK)");
     println!("  export KUBECONFIG={}", kubeconfig.display());
-    println!("  kubectl get nodes        # kubectl from {}", stoker_testenv::cluster::bin_dir().display());
+    println!(
+        "  kubectl get nodes        # kubectl from {}",
+        stoker_testenv::cluster::bin_dir().display()
+    );
     println!("  logs: {}", dir.join("logs").display());
 }
 
 fn up(dir: &Path) -> Result<()> {
     if let Some(pid) = running(dir) {
-        println!("a cluster is already running from {} (pid {pid})", dir.display());
+        println!(
+            "a cluster is already running from {} (pid {pid})",
+            dir.display()
+        );
         print_ready(dir);
         return Ok(());
     }
@@ -74,12 +86,17 @@ fn up(dir: &Path) -> Result<()> {
         std::fs::remove_dir_all(dir).with_context(|| format!("clean {}", dir.display()))?;
     }
     std::fs::create_dir_all(dir)?;
-    let cp = ControlPlane::start(Options { dir: Some(dir.to_path_buf()), ..Default::default() })?;
+    let cp = ControlPlane::start(Options {
+        dir: Some(dir.to_path_buf()),
+        ..Default::default()
+    })?;
     std::fs::write(pid_file(dir), std::process::id().to_string())?;
     print_ready(dir);
     println!("Ctrl-C stops it");
 
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     runtime.block_on(async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
@@ -96,14 +113,22 @@ fn up(dir: &Path) -> Result<()> {
 
 fn up_background(dir: &Path) -> Result<()> {
     if let Some(pid) = running(dir) {
-        println!("a cluster is already running from {} (pid {pid})", dir.display());
+        println!(
+            "a cluster is already running from {} (pid {pid})",
+            dir.display()
+        );
         print_ready(dir);
         return Ok(());
     }
     let log_path = dir.with_extension("log");
     let log = std::fs::File::create(&log_path)?;
     let mut cmd = Command::new(std::env::current_exe()?);
-    cmd.arg("--dir").arg(dir).arg("up").stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+    cmd.arg("--dir")
+        .arg(dir)
+        .arg("up")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
     // Its own session, so that the shell's Ctrl-C or hang-up does not reach it.
     // SAFETY: setsid is async-signal-safe.
     unsafe {
