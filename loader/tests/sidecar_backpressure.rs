@@ -19,17 +19,29 @@ fn a_paused_trainer_stops_requests_and_memory_stays_flat() {
         &server,
         dir.path(),
         &[&w],
-        &["--width", "224", "--height", "224", "--batch-size", "8", "--prefetch-batches", "4"],
+        &[
+            "--width",
+            "224",
+            "--height",
+            "224",
+            "--batch-size",
+            "8",
+            "--prefetch-batches",
+            "4",
+        ],
     );
     let mut c = sc.connect();
     for _ in 0..3 {
-        let Reply::Batch(b) = c.next(Duration::from_secs(30)).unwrap() else { panic!() };
+        let Reply::Batch(b) = c.next(Duration::from_secs(30)).unwrap() else {
+            panic!()
+        };
         c.release(b.slot).unwrap();
     }
     // The trainer holds nothing and asks for nothing: the ring fills, all 4 + 2 slots (prefetch
     // depth plus the batches a trainer may hold).
     wait_until("the ring to fill", Duration::from_secs(30), || {
-        sc.metric("stoker_sidecar_ready_batches") >= 6.0 && sc.metric("stoker_sidecar_inflight_batches") == 0.0
+        sc.metric("stoker_sidecar_ready_batches") >= 6.0
+            && sc.metric("stoker_sidecar_inflight_batches") == 0.0
     });
     std::thread::sleep(Duration::from_secs(2));
     let worker_metrics = || http(w.http, "GET", "/metrics", "").1;
@@ -42,8 +54,13 @@ fn a_paused_trainer_stops_requests_and_memory_stays_flat() {
     }
     let rss_after = rss_kib(sc.proc.pid());
     let requested_after = metric(&worker_metrics(), "stoker_loader_samples_in_total");
-    eprintln!("sidecar VmRSS: {rss_before} KiB before the 30 s pause, peak {peak} KiB, {rss_after} KiB after");
-    assert_eq!(requested_after, requested_before, "no batch was requested while the trainer paused");
+    eprintln!(
+        "sidecar VmRSS: {rss_before} KiB before the 30 s pause, peak {peak} KiB, {rss_after} KiB after"
+    );
+    assert_eq!(
+        requested_after, requested_before,
+        "no batch was requested while the trainer paused"
+    );
     assert!(
         peak <= rss_before + 2048,
         "resident memory grew from {rss_before} KiB to {peak} KiB during the pause"
@@ -51,7 +68,9 @@ fn a_paused_trainer_stops_requests_and_memory_stays_flat() {
     assert_eq!(sc.metric("stoker_sidecar_ready_batches"), 6.0);
     // The trainer resumes and the pipeline continues.
     for _ in 0..6 {
-        let Reply::Batch(b) = c.next(Duration::from_secs(30)).unwrap() else { panic!() };
+        let Reply::Batch(b) = c.next(Duration::from_secs(30)).unwrap() else {
+            panic!()
+        };
         c.release(b.slot).unwrap();
     }
 }

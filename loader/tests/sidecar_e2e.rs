@@ -15,7 +15,9 @@ use stoker_testenv::s3::S3Server;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn ranks_cover_the_dataset(world: u32) {
@@ -32,7 +34,16 @@ fn ranks_cover_the_dataset(world: u32) {
                 &server,
                 dir.path(),
                 &[&w1, &w2],
-                &["--rank", &rank, "--world-size", &world_s, "--epochs", "2", "--batch-size", "5"],
+                &[
+                    "--rank",
+                    &rank,
+                    "--world-size",
+                    &world_s,
+                    "--epochs",
+                    "2",
+                    "--batch-size",
+                    "5",
+                ],
             )
         })
         .collect();
@@ -43,8 +54,14 @@ fn ranks_cover_the_dataset(world: u32) {
                 s.spawn(move || {
                     let mut c = sc.connect();
                     assert_eq!(c.hello.world_size, world);
-                    let epochs = vec![consume_epoch(&mut c, |_, _| {}), consume_epoch(&mut c, |_, _| {})];
-                    assert!(matches!(c.next(Duration::from_secs(10)).unwrap(), Reply::Done));
+                    let epochs = vec![
+                        consume_epoch(&mut c, |_, _| {}),
+                        consume_epoch(&mut c, |_, _| {}),
+                    ];
+                    assert!(matches!(
+                        c.next(Duration::from_secs(10)).unwrap(),
+                        Reply::Done
+                    ));
                     epochs
                 })
             })
@@ -57,17 +74,31 @@ fn ranks_cover_the_dataset(world: u32) {
         for (rank, r) in results.iter().enumerate() {
             let e = &r[epoch];
             assert_eq!(e.epoch, epoch as u64);
-            assert_eq!(e.batches.len(), expected_batches, "rank {rank}: equal batch counts");
+            assert_eq!(
+                e.batches.len(),
+                expected_batches,
+                "rank {rank}: equal batch counts"
+            );
             let mine = e.keys();
             let distinct: HashSet<&String> = mine.iter().collect();
-            assert_eq!(distinct.len(), mine.len(), "rank {rank} got a sample twice in epoch {epoch}");
+            assert_eq!(
+                distinct.len(),
+                mine.len(),
+                "rank {rank} got a sample twice in epoch {epoch}"
+            );
             assert!(e.skips.is_empty(), "{:?}", e.skips);
             all.extend(mine);
         }
         all.sort();
-        assert_eq!(all, keys, "epoch {epoch}: ranks are disjoint and cover every sample");
+        assert_eq!(
+            all, keys,
+            "epoch {epoch}: ranks are disjoint and cover every sample"
+        );
     }
-    assert_ne!(results[0][0].batches, results[0][1].batches, "epochs are shuffled differently");
+    assert_ne!(
+        results[0][0].batches, results[0][1].batches,
+        "epochs are shuffled differently"
+    );
     let delivered = sidecars[0].metric("stoker_sidecar_batches_delivered_total");
     assert_eq!(delivered, (2 * expected_batches) as f64);
 }
@@ -91,14 +122,24 @@ fn killing_decode_workers_mid_epoch_loses_no_sample_and_stalls_boundedly() {
     let server = S3Server::start(dir.path().join("s3")).unwrap();
     // Larger images so that the epoch lasts long enough to kill workers in the middle of it.
     let keys = dataset(&server, 80, 800, 600);
-    let mut workers = [decode_worker(&server), decode_worker(&server), decode_worker(&server)];
+    let mut workers = [
+        decode_worker(&server),
+        decode_worker(&server),
+        decode_worker(&server),
+    ];
     let refs: Vec<&DecodeWorkerProc> = workers.iter().collect();
     let timeout_s = 3.0;
     let sc = sidecar(
         &server,
         dir.path(),
         &refs,
-        &["--batch-timeout-secs", "3", "--prefetch-batches", "4", "--no-local-fallback"],
+        &[
+            "--batch-timeout-secs",
+            "3",
+            "--prefetch-batches",
+            "4",
+            "--no-local-fallback",
+        ],
     );
     drop(refs);
     let mut client = sc.connect();
@@ -117,7 +158,10 @@ fn killing_decode_workers_mid_epoch_loses_no_sample_and_stalls_boundedly() {
     });
     let mut got = epoch.keys();
     got.sort();
-    assert_eq!(got, keys, "every sample exactly once, in spite of two dead workers");
+    assert_eq!(
+        got, keys,
+        "every sample exactly once, in spite of two dead workers"
+    );
     assert_eq!(epoch.batches.len(), 20);
     let worst = gaps.iter().max().copied().unwrap_or_default();
     eprintln!("worst wait between batches: {worst:?}");
@@ -128,9 +172,17 @@ fn killing_decode_workers_mid_epoch_loses_no_sample_and_stalls_boundedly() {
     let text = http(sc.http, "GET", "/metrics", "").1;
     let retries: f64 = ["unavailable", "error", "timeout", "connect"]
         .iter()
-        .map(|r| metric(&text, &format!("stoker_sidecar_retries_total{{reason=\"{r}\"}}")))
+        .map(|r| {
+            metric(
+                &text,
+                &format!("stoker_sidecar_retries_total{{reason=\"{r}\"}}"),
+            )
+        })
         .sum();
-    assert!(retries >= 1.0, "the dead workers' batches were re-sent:\n{text}");
+    assert!(
+        retries >= 1.0,
+        "the dead workers' batches were re-sent:\n{text}"
+    );
 }
 
 #[test]
@@ -140,7 +192,16 @@ fn resuming_at_epoch_and_batch_reproduces_the_remaining_order() {
     let server = S3Server::start(dir.path().join("s3")).unwrap();
     dataset(&server, 30, 64, 48);
     // No workers: the sidecar decodes locally, which also covers that path.
-    let flags = ["--rank", "1", "--world-size", "2", "--batch-size", "3", "--seed", "7"];
+    let flags = [
+        "--rank",
+        "1",
+        "--world-size",
+        "2",
+        "--batch-size",
+        "3",
+        "--seed",
+        "7",
+    ];
     let full = sidecar(&server, dir.path(), &[], &flags);
     let mut c = full.connect();
     let e0 = consume_epoch(&mut c, |_, _| {});
@@ -154,7 +215,11 @@ fn resuming_at_epoch_and_batch_reproduces_the_remaining_order() {
     assert_eq!(c.hello.start_batch, 3);
     let r0 = consume_epoch(&mut c, |i, b| assert_eq!(b.index, (i + 3) as u64));
     let r1 = consume_epoch(&mut c, |_, _| {});
-    assert_eq!(r0.batches, e0.batches[3..].to_vec(), "rest of the epoch in the same order");
+    assert_eq!(
+        r0.batches,
+        e0.batches[3..].to_vec(),
+        "rest of the epoch in the same order"
+    );
     assert_eq!(r1.batches, e1.batches, "the next epoch is identical");
     assert_eq!(e0.batches.len(), 5);
 }
@@ -167,12 +232,24 @@ fn corrupt_and_missing_objects_reach_the_trainer_as_skips() {
     let good = dataset(&server, 6, 80, 60);
     let mut bad_jpeg = jpeg(80, 60, 1);
     bad_jpeg.truncate(bad_jpeg.len() / 3);
-    server.put_object(BUCKET, "truncated.jpg", &bad_jpeg).unwrap();
-    server.put_object(BUCKET, "garbage.jpg", b"\xff\xd8\xff\xe0 this is not a jpeg").unwrap();
-    server.put_object(BUCKET, "page.jpg", b"<html>error</html>").unwrap();
+    server
+        .put_object(BUCKET, "truncated.jpg", &bad_jpeg)
+        .unwrap();
+    server
+        .put_object(
+            BUCKET,
+            "garbage.jpg",
+            b"\xff\xd8\xff\xe0 this is not a jpeg",
+        )
+        .unwrap();
+    server
+        .put_object(BUCKET, "page.jpg", b"<html>error</html>")
+        .unwrap();
     let mut manifest = String::new();
     for (i, k) in good.iter().enumerate() {
-        manifest.push_str(&format!("{{\"key\":\"{k}\",\"caption\":\"image {i}\",\"label\":{i}}}\n"));
+        manifest.push_str(&format!(
+            "{{\"key\":\"{k}\",\"caption\":\"image {i}\",\"label\":{i}}}\n"
+        ));
     }
     for k in ["truncated.jpg", "garbage.jpg", "page.jpg", "missing.jpg"] {
         manifest.push_str(&format!("{{\"key\":\"{k}\",\"caption\":\"bad\"}}\n"));
@@ -181,7 +258,12 @@ fn corrupt_and_missing_objects_reach_the_trainer_as_skips() {
     std::fs::write(&mpath, manifest).unwrap();
     let w = decode_worker(&server);
     let mp = mpath.display().to_string();
-    let sc = sidecar(&server, dir.path(), &[&w], &["--manifest", &mp, "--epochs", "1"]);
+    let sc = sidecar(
+        &server,
+        dir.path(),
+        &[&w],
+        &["--manifest", &mp, "--epochs", "1"],
+    );
     let mut c = sc.connect();
     let mut metadata: HashMap<String, String> = HashMap::new();
     let mut batches = Vec::new();
@@ -207,14 +289,29 @@ fn corrupt_and_missing_objects_reach_the_trainer_as_skips() {
     assert_eq!(skips.len(), 4, "{skips:?}");
     assert_eq!(skips["missing.jpg"], "not_found");
     assert_eq!(skips["page.jpg"], "unsupported");
-    assert!(["corrupt", "truncated"].contains(&skips["garbage.jpg"].as_str()), "{skips:?}");
-    assert!(["corrupt", "truncated"].contains(&skips["truncated.jpg"].as_str()), "{skips:?}");
+    assert!(
+        ["corrupt", "truncated"].contains(&skips["garbage.jpg"].as_str()),
+        "{skips:?}"
+    );
+    assert!(
+        ["corrupt", "truncated"].contains(&skips["truncated.jpg"].as_str()),
+        "{skips:?}"
+    );
     let meta: serde_json::Value = serde_json::from_str(&metadata["img-0002.jpg"]).unwrap();
     assert_eq!(meta["caption"], "image 2");
     assert_eq!(meta["label"], 2);
     let text = http(sc.http, "GET", "/metrics", "").1;
-    assert_eq!(metric(&text, "stoker_sidecar_samples_skipped_total{reason=\"not_found\"}"), 1.0);
-    assert_eq!(metric(&text, "stoker_sidecar_samples_delivered_total"), 10.0);
+    assert_eq!(
+        metric(
+            &text,
+            "stoker_sidecar_samples_skipped_total{reason=\"not_found\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&text, "stoker_sidecar_samples_delivered_total"),
+        10.0
+    );
 }
 
 #[test]
@@ -225,13 +322,19 @@ fn readiness_metrics_and_the_local_share_endpoint() {
     dataset(&server, 40, 64, 48);
     let w = decode_worker(&server);
     let sc = sidecar(&server, dir.path(), &[&w], &["--prefetch-batches", "2"]);
-    assert_eq!(http(sc.http, "GET", "/readyz", "").0, 200, "ready once the socket listens");
+    assert_eq!(
+        http(sc.http, "GET", "/readyz", "").0,
+        200,
+        "ready once the socket listens"
+    );
     let mut c = sc.connect();
     assert!(!c.hello.gpu.available, "no GPU on CI machines");
     assert_eq!(c.hello.gpu.placement, "off");
     assert!(c.hello.gpu.reason.is_some());
     for _ in 0..3 {
-        let Reply::Batch(b) = c.next(Duration::from_secs(30)).unwrap() else { panic!() };
+        let Reply::Batch(b) = c.next(Duration::from_secs(30)).unwrap() else {
+            panic!()
+        };
         assert_eq!(b.route, "remote");
         c.release(b.slot).unwrap();
     }
@@ -241,15 +344,32 @@ fn readiness_metrics_and_the_local_share_endpoint() {
     // Batches already prefetched may still come from the worker; after them, all are local.
     let mut routes = Vec::new();
     for _ in 0..7 {
-        let Reply::Batch(b) = c.next(Duration::from_secs(30)).unwrap() else { panic!() };
+        let Reply::Batch(b) = c.next(Duration::from_secs(30)).unwrap() else {
+            panic!()
+        };
         routes.push(b.route.clone());
         c.release(b.slot).unwrap();
     }
-    assert_eq!(routes.last().map(String::as_str), Some("local"), "{routes:?}");
+    assert_eq!(
+        routes.last().map(String::as_str),
+        Some("local"),
+        "{routes:?}"
+    );
     let text = http(sc.http, "GET", "/metrics", "").1;
-    assert!(text.contains("stoker_trainer_data_wait_seconds_total"), "{text}");
-    assert_eq!(metric(&text, "stoker_sidecar_batches_delivered_total"), 10.0);
-    assert!(metric(&text, "stoker_sidecar_batches_decoded_total{route=\"local\"}") >= 1.0);
+    assert!(
+        text.contains("stoker_trainer_data_wait_seconds_total"),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "stoker_sidecar_batches_delivered_total"),
+        10.0
+    );
+    assert!(
+        metric(
+            &text,
+            "stoker_sidecar_batches_decoded_total{route=\"local\"}"
+        ) >= 1.0
+    );
     assert!(metric(&text, "stoker_sidecar_bytes_received_total") > 0.0);
     assert_eq!(metric(&text, "stoker_sidecar_local_share"), 1.0);
 }
@@ -266,7 +386,13 @@ fn a_hung_decode_worker_costs_at_most_the_batch_timeout() {
         &server,
         dir.path(),
         &[&hung, &healthy],
-        &["--batch-timeout-secs", "2", "--prefetch-batches", "4", "--no-local-fallback"],
+        &[
+            "--batch-timeout-secs",
+            "2",
+            "--prefetch-batches",
+            "4",
+            "--no-local-fallback",
+        ],
     );
     let mut client = sc.connect();
     let mut gaps = Vec::new();
@@ -291,6 +417,9 @@ fn a_hung_decode_worker_costs_at_most_the_batch_timeout() {
     assert_eq!(got, keys, "every sample exactly once");
     let worst = gaps.iter().max().copied().unwrap_or_default();
     eprintln!("worst wait between batches with a hung worker: {worst:?}");
-    assert!(worst < Duration::from_secs(2 + 4), "stall {worst:?} is not bounded by the 2 s timeout");
+    assert!(
+        worst < Duration::from_secs(2 + 4),
+        "stall {worst:?} is not bounded by the 2 s timeout"
+    );
     assert!(sc.metric("stoker_sidecar_retries_total{reason=\"timeout\"}") >= 1.0);
 }

@@ -57,7 +57,10 @@ fn spawn(mut cmd: Command, server: &S3Server) -> Proc {
         .env_remove("LOCAL_RANK")
         .env_remove("STOKER_SOCKET")
         .env_remove("STOKER_SHM_DIR")
-        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     let mut child = cmd.spawn().expect("spawn stoker-loader");
@@ -65,7 +68,10 @@ fn spawn(mut cmd: Command, server: &S3Server) -> Proc {
     let stdout = child.stdout.take().expect("stdout");
     let mut reader = BufReader::new(stdout);
     reader.read_line(&mut line).expect("read listening line");
-    assert!(line.contains("listening"), "process did not start: {line:?}");
+    assert!(
+        line.contains("listening"),
+        "process did not start: {line:?}"
+    );
     // Keep draining stdout so the child never blocks on a full pipe.
     std::thread::spawn(move || {
         let mut sink = Vec::new();
@@ -75,8 +81,14 @@ fn spawn(mut cmd: Command, server: &S3Server) -> Proc {
 }
 
 fn s3_flags(cmd: &mut Command, server: &S3Server) {
-    cmd.args(["--endpoint", &server.endpoint(), "--region", "us-east-1", "--force-path-style"])
-        .args(["--max-attempts", "4"]);
+    cmd.args([
+        "--endpoint",
+        &server.endpoint(),
+        "--region",
+        "us-east-1",
+        "--force-path-style",
+    ])
+    .args(["--max-attempts", "4"]);
 }
 
 pub struct DecodeWorkerProc {
@@ -87,7 +99,15 @@ pub struct DecodeWorkerProc {
 
 pub fn decode_worker(server: &S3Server) -> DecodeWorkerProc {
     let mut cmd = Command::new(BIN);
-    cmd.args(["decode", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--threads", "1"]);
+    cmd.args([
+        "decode",
+        "--grpc-addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--threads",
+        "1",
+    ]);
     s3_flags(&mut cmd, server);
     let proc = spawn(cmd, server);
     let grpc = proc.field("grpc");
@@ -113,7 +133,12 @@ impl SidecarProc {
 }
 
 /// Starts a sidecar over the `data` bucket; `extra` adds flags or replaces the defaults.
-pub fn sidecar(server: &S3Server, dir: &Path, workers: &[&DecodeWorkerProc], extra: &[&str]) -> SidecarProc {
+pub fn sidecar(
+    server: &S3Server,
+    dir: &Path,
+    workers: &[&DecodeWorkerProc],
+    extra: &[&str],
+) -> SidecarProc {
     let shm = dir.join(format!("shm-{}", fastrand_suffix()));
     std::fs::create_dir_all(&shm).expect("shm dir");
     let socket = shm.join("stoker.sock");
@@ -150,7 +175,11 @@ pub fn sidecar(server: &S3Server, dir: &Path, workers: &[&DecodeWorkerProc], ext
 fn fastrand_suffix() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
-    format!("{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
+    format!(
+        "{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
 }
 
 /// A JPEG test image; `seed` varies the content.
@@ -182,7 +211,9 @@ pub fn dataset(server: &S3Server, n: usize, w: u32, h: u32) -> Vec<String> {
     (0..n)
         .map(|i| {
             let key = format!("img-{i:04}.jpg");
-            server.put_object(BUCKET, &key, &jpeg(w, h, i as u32)).expect("put");
+            server
+                .put_object(BUCKET, &key, &jpeg(w, h, i as u32))
+                .expect("put");
             key
         })
         .collect()
@@ -204,7 +235,10 @@ impl Epoch {
 
 /// Consumes one epoch, checking every delivered sample's pixels have the announced shape;
 /// `on_batch(i)` runs after batch i was received (used to inject faults and pauses).
-pub fn consume_epoch(client: &mut TrainerClient, mut on_batch: impl FnMut(usize, &BatchHeader)) -> Epoch {
+pub fn consume_epoch(
+    client: &mut TrainerClient,
+    mut on_batch: impl FnMut(usize, &BatchHeader),
+) -> Epoch {
     let mut out = Epoch::default();
     loop {
         match client.next(Duration::from_secs(60)).expect("next") {
@@ -247,8 +281,15 @@ pub fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, Str
     .expect("write http");
     let mut buf = String::new();
     let _ = s.read_to_string(&mut buf);
-    let status = buf.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let status = buf
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     (status, body)
 }
 
