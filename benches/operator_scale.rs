@@ -260,7 +260,7 @@ async fn main() {
             Err(_) => {}
         }
         peak_rss = peak_rss.max(rss_kib(pid).unwrap_or(0));
-        if ready.len() % 50 == 0 {
+        if ready.len().is_multiple_of(50) {
             eprint!(
                 "\rready {}/{pipelines} after {:.0}s   ",
                 ready.len(),
