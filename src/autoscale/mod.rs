@@ -2,7 +2,8 @@
 //! (`prometheus.rs`, the only I/O here), decide with the pure [`policy`], remember the decision
 //! in a [`ScaleHistory`] for the stabilization windows, and export what it saw (`metrics.rs`).
 //!
-//! The controller, per reconcile of a pipeline (`autoscaler` behind a mutex in its context):
+//! The controller, per reconcile of a pipeline (`autoscaler` behind a mutex in its context),
+//! when `autoscaler.due(&key, now, period)`:
 //! ```text
 //! let fleet = DecoderFleet::observe(status.decoders.desired, &decoders, &trainers, world_size, &nodes);
 //! let scope = fleet.scope(&namespace, &name, &trainers, policy.window);
@@ -176,6 +177,15 @@ impl Autoscaler {
             signals,
             now,
         )
+    }
+
+    /// Whether a pipeline is due for a decision: reconciles come with every pod event, but
+    /// Prometheus is read once per `period` (a new window holds new information only so often).
+    pub fn due(&self, pipeline: &str, now: Timestamp, period: Duration) -> bool {
+        self.pipelines
+            .get(pipeline)
+            .and_then(ScaleHistory::decided_at)
+            .is_none_or(|t| now.duration_since(t).as_secs_f64() >= period.as_secs_f64())
     }
 
     /// Drops a deleted pipeline's history.
@@ -369,6 +379,11 @@ mod tests {
             d.reason
         );
         assert!(autoscaler.history("training/qwen3vl-pretrain").is_some());
+        let period = Duration::from_secs(30);
+        let later = |s: i64| Timestamp::from_second(s).expect("valid time");
+        assert!(!autoscaler.due("training/qwen3vl-pretrain", later(29), period));
+        assert!(autoscaler.due("training/qwen3vl-pretrain", later(30), period));
+        assert!(autoscaler.due("training/other", later(0), period));
     }
 
     #[test]

@@ -96,6 +96,7 @@ pub struct ScaleHistory {
     local_decode_share: f64,
     /// In recommend mode the fleet does not follow, so "current" is the last recommendation.
     last_recommended: Option<u32>,
+    decided_at: Option<Timestamp>,
 }
 
 impl ScaleHistory {
@@ -139,6 +140,12 @@ impl ScaleHistory {
         self.trainers = Some(decision.learned.trainers);
         self.local_decode_share = decision.local_decode_share;
         self.last_recommended = Some(decision.recommended);
+        self.decided_at = Some(now);
+    }
+
+    /// When the last decision was made.
+    pub fn decided_at(&self) -> Option<Timestamp> {
+        self.decided_at
     }
 
     /// The last recommendation, the fleet size in recommend mode.
