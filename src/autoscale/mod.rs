@@ -2,16 +2,17 @@
 //! (`prometheus.rs`, the only I/O here), decide with the pure [`policy`], remember the decision
 //! in a [`ScaleHistory`] for the stabilization windows, and export what it saw (`metrics.rs`).
 //!
-//! The controller, per reconcile of a pipeline (`autoscaler` behind a mutex in its context),
-//! when `autoscaler.due(&key, now, period)`:
+//! The controller holds [`AutoscalerSettings`], `settings.reader()` and an [`Autoscaler`]
+//! (behind a mutex) in its context, and per reconcile of a pipeline, when
+//! `autoscaler.due(&pipeline_key(&dp), now, settings.period)`:
 //! ```text
 //! let fleet = DecoderFleet::observe(status.decoders.desired, &decoders, &trainers, world_size, &nodes);
-//! let scope = fleet.scope(&namespace, &name, &trainers, policy.window);
+//! let scope = fleet.scope(&namespace, &name, &trainers, settings.defaults.window);
 //! let signals = match prometheus.read(&scope).await {                 // Err: keep the size
 //!     Ok(s) => Some(s),
 //!     Err(e) => { metrics.signal_error(e.category()); None }
 //! };
-//! let decision = autoscaler.step_pipeline(&dp, &fleet, signals.as_ref(), now);
+//! let decision = autoscaler.step_pipeline(&dp, &settings.defaults, &fleet, signals.as_ref(), now);
 //! metrics.record(&namespace, &name, &decision);
 //! let desired = fleet::desired_replicas(&dp.spec, Some(decision.recommended as i32));
 //! ```
@@ -41,11 +42,55 @@ pub use policy::{
 };
 pub use signals::{DecoderSignal, NodeNetwork, Signals};
 
+/// Operator-wide autoscaler settings (flags or chart values), for what the CRD does not carry.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AutoscalerSettings {
+    /// Prometheus' base URL; `None` reads nothing and keeps every size (`MetricsUnavailable`).
+    pub prometheus_url: Option<String>,
+    /// How often a pipeline's signals are read and decided on.
+    pub period: Duration,
+    /// Bound on each Prometheus query.
+    pub query_timeout: Duration,
+    pub templates: prometheus::QueryTemplates,
+    /// Window, headroom, tolerance, S3 and local-decode limits, default link speed: every
+    /// pipeline starts from these; the spec's fields override the rest.
+    pub defaults: AutoscalingPolicy,
+}
+
+impl Default for AutoscalerSettings {
+    fn default() -> Self {
+        Self {
+            prometheus_url: None,
+            period: Duration::from_secs(30),
+            query_timeout: Duration::from_secs(5),
+            templates: prometheus::QueryTemplates::default(),
+            defaults: AutoscalingPolicy::default(),
+        }
+    }
+}
+
+impl AutoscalerSettings {
+    /// The reader for `prometheus_url`, if one is set.
+    pub fn reader(&self) -> Result<Option<prometheus::PrometheusSignals>, prometheus::SignalError> {
+        self.prometheus_url
+            .as_deref()
+            .map(|url| {
+                prometheus::PrometheusSignals::new(url, self.templates.clone(), self.query_timeout)
+            })
+            .transpose()
+    }
+}
+
 impl AutoscalingPolicy {
     /// The policy a `DataPipeline` asks for. Knobs the CRD does not carry yet (headroom,
     /// tolerance, window, S3 throttle limit, local-decode cap, default link speed) keep their
     /// defaults.
     pub fn from_spec(spec: &DataPipelineSpec) -> Self {
+        Self::from_spec_over(spec, &Self::default())
+    }
+
+    /// The spec's fields over operator-wide `defaults` for the knobs the CRD does not carry.
+    pub fn from_spec_over(spec: &DataPipelineSpec, defaults: &AutoscalingPolicy) -> Self {
         let a = &spec.autoscaling;
         let d = &spec.decoders;
         let count = |n: i32| u32::try_from(n).unwrap_or(0);
@@ -61,7 +106,7 @@ impl AutoscalingPolicy {
             scale_down_stabilization: seconds(a.scale_down_stabilization_seconds),
             max_scale_up_step: count(a.max_scale_up_step).max(1),
             max_scale_down_step: count(a.max_scale_down_step).max(1),
-            ..Self::default()
+            ..defaults.clone()
         }
     }
 }
@@ -137,6 +182,11 @@ impl DecoderFleet {
     }
 }
 
+/// `namespace/name`: how the autoscaler keys a pipeline's history.
+pub fn pipeline_key(dp: &DataPipeline) -> String {
+    format!("{}/{}", dp.namespace().unwrap_or_default(), dp.name_any())
+}
+
 /// The autoscaler's memory of every pipeline it decides for, keyed by `namespace/name`.
 #[derive(Debug, Default)]
 pub struct Autoscaler {
@@ -160,23 +210,18 @@ impl Autoscaler {
         decision
     }
 
-    /// [`Autoscaler::step`] with the policy the pipeline's spec asks for, keyed by
-    /// `namespace/name`.
+    /// [`Autoscaler::step`] with the policy the pipeline's spec asks for over the
+    /// operator-wide `defaults`, keyed by [`pipeline_key`].
     pub fn step_pipeline(
         &mut self,
         dp: &DataPipeline,
+        defaults: &AutoscalingPolicy,
         fleet: &DecoderFleet,
         signals: Option<&Signals>,
         now: Timestamp,
     ) -> ScaleDecision {
-        let key = format!("{}/{}", dp.namespace().unwrap_or_default(), dp.name_any());
-        self.step(
-            &key,
-            &AutoscalingPolicy::from_spec(&dp.spec),
-            fleet,
-            signals,
-            now,
-        )
+        let policy = AutoscalingPolicy::from_spec_over(&dp.spec, defaults);
+        self.step(&pipeline_key(dp), &policy, fleet, signals, now)
     }
 
     /// Whether a pipeline is due for a decision: reconciles come with every pod event, but
@@ -372,7 +417,10 @@ mod tests {
             replicas: 1,
             ..DecoderFleet::default()
         };
-        let d = autoscaler.step_pipeline(&dp, &fleet, None, Timestamp::UNIX_EPOCH);
+        let settings = AutoscalerSettings::default();
+        assert!(settings.reader().expect("no URL is no error").is_none());
+        let d =
+            autoscaler.step_pipeline(&dp, &settings.defaults, &fleet, None, Timestamp::UNIX_EPOCH);
         assert_eq!(
             d.replicas, 4,
             "minReplicas 4 bounds even a kept size: {}",
