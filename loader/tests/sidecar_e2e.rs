@@ -372,6 +372,23 @@ fn readiness_metrics_and_the_local_share_endpoint() {
     );
     assert!(metric(&text, "stoker_sidecar_bytes_received_total") > 0.0);
     assert_eq!(metric(&text, "stoker_sidecar_local_share"), 1.0);
+
+    // SIGTERM (the pod stops): the sidecar exits cleanly and removes its socket and ring.
+    let mut sc = sc;
+    unsafe {
+        libc::kill(sc.proc.pid(), libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = sc.proc.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "sidecar did not exit on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+    assert!(!sc.socket.exists(), "socket removed");
+    assert!(!sc.shm.exists(), "ring file removed");
 }
 
 #[test]
