@@ -166,20 +166,32 @@ async fn story(
     // (a) The baseline: the trainer fetches and decodes its own batches.
     let report_a = opts.work_dir.join("baseline.jsonl");
     let _ = std::fs::remove_file(&report_a);
-    pods.create(&PostParams::default(), &trainer_pod("trainer-sync", None, opts, &report_a, stage))
-        .await
-        .context("create the baseline trainer")?;
+    pods.create(
+        &PostParams::default(),
+        &trainer_pod("trainer-sync", None, opts, &report_a, stage),
+    )
+    .await
+    .context("create the baseline trainer")?;
     let phase_end = Instant::now() + opts.baseline;
     while Instant::now() < phase_end {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let tick = watch.tick(started, "baseline", &report_a, &[]).await?;
         on_tick(&tick);
     }
-    pods.delete("trainer-sync", &DeleteParams::default().grace_period(0)).await?;
-    let baseline_busy_pct = mean(watch.ticks.iter().filter(|t| t.phase == "baseline").map(|t| t.busy_pct));
+    pods.delete("trainer-sync", &DeleteParams::default().grace_period(0))
+        .await?;
+    let baseline_busy_pct = mean(
+        watch
+            .ticks
+            .iter()
+            .filter(|t| t.phase == "baseline")
+            .map(|t| t.busy_pct),
+    );
 
     // (b) The pipeline, autoscaled, from one decoder.
-    dps.create(&PostParams::default(), &pipeline(opts, stage)).await.context("create the DataPipeline")?;
+    dps.create(&PostParams::default(), &pipeline(opts, stage))
+        .await
+        .context("create the DataPipeline")?;
     let pipeline_created = Instant::now();
     let report_b = opts.work_dir.join("pipeline.jsonl");
     let keys_file = opts.work_dir.join("keys.txt");
@@ -197,10 +209,16 @@ async fn story(
     loop {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let decoders = serving_decoders(&pods).await?;
-        let tick = watch.tick(started, "pipeline", &report_b, &decoders).await?;
+        let tick = watch
+            .tick(started, "pipeline", &report_b, &decoders)
+            .await?;
         on_tick(&tick);
 
-        if let Some(record) = dps.get_status(PIPELINE).await?.status.and_then(|s| s.last_scale)
+        if let Some(record) = dps
+            .get_status(PIPELINE)
+            .await?
+            .status
+            .and_then(|s| s.last_scale)
             && last_scale_time.as_ref() != Some(&record.time)
         {
             last_scale_time = Some(record.time.clone());
@@ -220,7 +238,8 @@ async fn story(
             && let Some(victim) = decoders.first()
         {
             let name = victim.name_any();
-            pods.delete(&name, &DeleteParams::default().grace_period(0)).await?;
+            pods.delete(&name, &DeleteParams::default().grace_period(0))
+                .await?;
             killed_decoder = Some(name);
         }
 
@@ -240,11 +259,23 @@ async fn story(
     }
 
     let settle_ticks = (opts.settle.as_secs() / 2).max(1) as usize;
-    let recent: Vec<&Tick> = watch.ticks.iter().rev().filter(|t| t.phase == "pipeline").take(settle_ticks).collect();
+    let recent: Vec<&Tick> = watch
+        .ticks
+        .iter()
+        .rev()
+        .filter(|t| t.phase == "pipeline")
+        .take(settle_ticks)
+        .collect();
     let final_busy_pct = mean(recent.iter().map(|t| t.busy_pct));
-    let decoder_nodes = serving_decoders(&pods).await?.iter().filter_map(node_of).collect();
+    let decoder_nodes = serving_decoders(&pods)
+        .await?
+        .iter()
+        .filter_map(node_of)
+        .collect();
     let final_nic_pct = watch.mean_nic_pct(settle_ticks);
-    pods.delete("trainer-0", &DeleteParams::default().grace_period(0)).await.ok();
+    pods.delete("trainer-0", &DeleteParams::default().grace_period(0))
+        .await
+        .ok();
     dps.delete(PIPELINE, &DeleteParams::background()).await.ok();
     Ok(StoryReport {
         ticks: watch.ticks,
@@ -274,12 +305,28 @@ impl<'a> Watch<'a> {
     fn new(runtime: &'a NodeRuntime, _opts: &StoryOptions) -> Result<Self> {
         let mut nics = BTreeMap::new();
         for node in runtime.node_names() {
-            nics.insert(node.clone(), (runtime.nic_mbit(&node)?, runtime.nic_counters(&node)?));
+            nics.insert(
+                node.clone(),
+                (runtime.nic_mbit(&node)?, runtime.nic_counters(&node)?),
+            );
         }
-        Ok(Self { runtime, nics, last: Instant::now(), ticks: Vec::new(), nic_history: Vec::new(), report_lines_seen: 0 })
+        Ok(Self {
+            runtime,
+            nics,
+            last: Instant::now(),
+            ticks: Vec::new(),
+            nic_history: Vec::new(),
+            report_lines_seen: 0,
+        })
     }
 
-    async fn tick(&mut self, started: Instant, phase: &'static str, report: &std::path::Path, decoders: &[Pod]) -> Result<Tick> {
+    async fn tick(
+        &mut self,
+        started: Instant,
+        phase: &'static str,
+        report: &std::path::Path,
+        decoders: &[Pod],
+    ) -> Result<Tick> {
         let wall = self.last.elapsed().as_secs_f64().max(0.001);
         self.last = Instant::now();
         let mut busiest = (String::new(), 0.0);
@@ -327,8 +374,15 @@ impl<'a> Watch<'a> {
     fn mean_nic_pct(&self, last_ticks: usize) -> BTreeMap<String, f64> {
         let recent = &self.nic_history[self.nic_history.len().saturating_sub(last_ticks)..];
         let mut out = BTreeMap::new();
-        for node in recent.iter().flat_map(|m| m.keys()).collect::<BTreeSet<_>>() {
-            out.insert(node.clone(), mean(recent.iter().filter_map(|m| m.get(node).copied())));
+        for node in recent
+            .iter()
+            .flat_map(|m| m.keys())
+            .collect::<BTreeSet<_>>()
+        {
+            out.insert(
+                node.clone(),
+                mean(recent.iter().filter_map(|m| m.get(node).copied())),
+            );
         }
         out
     }
@@ -358,15 +412,26 @@ async fn serving_decoders(pods: &Api<Pod>) -> Result<Vec<Pod>> {
 }
 
 async fn trainer_finished(pods: &Api<Pod>) -> Result<bool> {
-    let phase = pods.get_opt("trainer-0").await?.and_then(|p| p.status?.phase);
-    Ok(matches!(phase.as_deref(), Some("Succeeded") | Some("Failed")))
+    let phase = pods
+        .get_opt("trainer-0")
+        .await?
+        .and_then(|p| p.status?.phase);
+    Ok(matches!(
+        phase.as_deref(),
+        Some("Succeeded") | Some("Failed")
+    ))
 }
 
 async fn install_crd(client: &Client) -> Result<()> {
     let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
         Api::all(client.clone());
     let crd = DataPipeline::crd();
-    crds.patch(&crd.name_any(), &PatchParams::apply("stoker-demo").force(), &Patch::Apply(&crd)).await?;
+    crds.patch(
+        &crd.name_any(),
+        &PatchParams::apply("stoker-demo").force(),
+        &Patch::Apply(&crd),
+    )
+    .await?;
     let dps: Api<DataPipeline> = Api::all(client.clone());
     for _ in 0..150 {
         if dps.list(&ListParams::default().limit(1)).await.is_ok() {
@@ -380,14 +445,20 @@ async fn install_crd(client: &Client) -> Result<()> {
 async fn create_namespace(client: &Client, s3: &S3Server) -> Result<()> {
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?;
-    namespaces.create(&PostParams::default(), &ns).await.context("create namespace")?;
+    namespaces
+        .create(&PostParams::default(), &ns)
+        .await
+        .context("create namespace")?;
     let secret: Secret = serde_json::from_value(json!({
         "metadata": {"name": "s3-creds"},
         "stringData": {"AWS_ACCESS_KEY_ID": s3.access_key(), "AWS_SECRET_ACCESS_KEY": s3.secret_key()},
     }))?;
-    Api::<Secret>::namespaced(client.clone(), NAMESPACE).create(&PostParams::default(), &secret).await?;
+    Api::<Secret>::namespaced(client.clone(), NAMESPACE)
+        .create(&PostParams::default(), &secret)
+        .await?;
     // Pods are refused until the namespace's default service account exists.
-    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> = Api::namespaced(client.clone(), NAMESPACE);
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(client.clone(), NAMESPACE);
     for _ in 0..150 {
         if accounts.get_opt("default").await?.is_some() {
             return Ok(());
@@ -403,7 +474,11 @@ async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<Cancellati
     let mwc_name = "stoker-demo-injector";
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
     let _ = mwcs.delete(mwc_name, &DeleteParams::default()).await;
-    mwcs.create(&PostParams::default(), &webhook_configuration(mwc_name, "https://127.0.0.1:1/mutate")?).await?;
+    mwcs.create(
+        &PostParams::default(),
+        &webhook_configuration(mwc_name, "https://127.0.0.1:1/mutate")?,
+    )
+    .await?;
     let webhook = WebhookConfig {
         listen: "127.0.0.1:0".parse()?,
         tls: TlsSource::SelfManaged(SelfManaged {
@@ -416,15 +491,19 @@ async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<Cancellati
             renew_before: Duration::from_secs(3_600),
         }),
         refresh_interval: Duration::from_secs(60),
-        inject: InjectConfig { loader_image: LOADER_IMAGE.into(), sidecar_resources: None },
+        inject: InjectConfig {
+            loader_image: LOADER_IMAGE.into(),
+            sidecar_resources: None,
+        },
     };
     let config = Config {
         watch_namespace: Some(NAMESPACE.into()),
         lease: None,
-        defaults: BuildDefaults { loader_image: LOADER_IMAGE.into() },
+        defaults: BuildDefaults {
+            loader_image: LOADER_IMAGE.into(),
+        },
         webhook: Some(webhook),
         metrics_listen: None,
-        autoscaler: Some(stoker_operator::AutoscalerConfig::new(stage.prometheus.url())),
     };
     let shutdown = CancellationToken::new();
     let running = stoker_operator::start(client.clone(), config, shutdown.clone()).await?;
@@ -507,7 +586,13 @@ fn pipeline(opts: &StoryOptions, stage: &Stage<'_>) -> DataPipeline {
 
 /// A trainer pod on a GPU node. With `keys` it opts into the pipeline (the webhook injects the
 /// sidecar) and logs every delivered key; without, it loads synchronously from S3.
-fn trainer_pod(name: &str, keys: Option<&std::path::Path>, opts: &StoryOptions, report: &std::path::Path, stage: &Stage<'_>) -> Pod {
+fn trainer_pod(
+    name: &str,
+    keys: Option<&std::path::Path>,
+    opts: &StoryOptions,
+    report: &std::path::Path,
+    stage: &Stage<'_>,
+) -> Pod {
     let step = opts.step_ms.to_string();
     let batch = opts.batch_size.to_string();
     let size = opts.image_size.to_string();
@@ -516,13 +601,37 @@ fn trainer_pod(name: &str, keys: Option<&std::path::Path>, opts: &StoryOptions, 
     let (labels, args) = match keys {
         Some(keys) => (
             json!({"app": "trainer", "stoker.dev/pipeline": PIPELINE}),
-            json!(["--mode", "sidecar", "--step-ms", step, "--epochs", epochs, "--report", report,
-                   "--keys-out", keys.display().to_string()]),
+            json!([
+                "--mode",
+                "sidecar",
+                "--step-ms",
+                step,
+                "--epochs",
+                epochs,
+                "--report",
+                report,
+                "--keys-out",
+                keys.display().to_string()
+            ]),
         ),
         None => (
             json!({"app": "trainer"}),
-            json!(["--mode", "sync", "--step-ms", step, "--batch-size", batch, "--size", size,
-                   "--endpoint", stage.s3.endpoint(), "--bucket", opts.bucket, "--report", report]),
+            json!([
+                "--mode",
+                "sync",
+                "--step-ms",
+                step,
+                "--batch-size",
+                batch,
+                "--size",
+                size,
+                "--endpoint",
+                stage.s3.endpoint(),
+                "--bucket",
+                opts.bucket,
+                "--report",
+                report
+            ]),
         ),
     };
     serde_json::from_value(json!({

@@ -47,7 +47,9 @@ struct Cli {
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt().with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .init();
     std::fs::create_dir_all(&cli.out)?;
     let out = std::fs::canonicalize(&cli.out)?;
     let trainer = std::fs::canonicalize(&cli.trainer).context("the simulated trainer script")?;
@@ -55,19 +57,37 @@ async fn main() -> Result<()> {
     println!("starting: control plane (etcd, kube-apiserver, controller-manager, scheduler, KWOK)");
     let cluster_dir = out.join("cluster");
     let _ = std::fs::remove_dir_all(&cluster_dir);
-    let cluster = tokio::task::block_in_place(|| ControlPlane::start(Options { dir: Some(cluster_dir), ..Default::default() }))?;
+    let cluster = tokio::task::block_in_place(|| {
+        ControlPlane::start(Options {
+            dir: Some(cluster_dir),
+            ..Default::default()
+        })
+    })?;
     let mut nic_mbit = BTreeMap::new();
     for node in cluster.nodes() {
-        let mbit = if node.gpus > 0 { cli.gpu_nic_mbit } else { cli.cpu_nic_mbit };
+        let mbit = if node.gpus > 0 {
+            cli.gpu_nic_mbit
+        } else {
+            cli.cpu_nic_mbit
+        };
         nic_mbit.insert(node.name.clone(), mbit);
     }
-    println!("starting: node runtime (a network namespace per node, NICs limited with tc: CPU nodes {} Mbit/s, GPU nodes {} Mbit/s)", cli.cpu_nic_mbit, cli.gpu_nic_mbit);
+    println!(
+        "starting: node runtime (a network namespace per node, NICs limited with tc: CPU nodes {} Mbit/s, GPU nodes {} Mbit/s)",
+        cli.cpu_nic_mbit, cli.gpu_nic_mbit
+    );
     let runtime = tokio::task::block_in_place(|| {
         NodeRuntime::start(
             &cluster,
             RuntimeOptions {
                 loader_bin: cli.loader.clone(),
-                images: vec![ImageMapping::new("*stoker-sim-trainer*", [cli.python.display().to_string(), trainer.display().to_string()])],
+                images: vec![ImageMapping::new(
+                    "*stoker-sim-trainer*",
+                    [
+                        cli.python.display().to_string(),
+                        trainer.display().to_string(),
+                    ],
+                )],
                 nic_mbit,
                 dir: Some(out.join("runtime")),
                 ..RuntimeOptions::default()
@@ -75,9 +95,16 @@ async fn main() -> Result<()> {
         )
     })?;
     let s3 = runtime.start_s3(S3ServerConfig::new(&cli.data))?;
-    println!("starting: S3 at {} (bucket {}), Prometheus, the operator", s3.endpoint(), cli.bucket);
+    println!(
+        "starting: S3 at {} (bucket {}), Prometheus, the operator",
+        s3.endpoint(),
+        cli.bucket
+    );
     let prometheus = tokio::task::block_in_place(|| {
-        Prometheus::start(PrometheusOptions { scrape_interval: Duration::from_secs(2), ..PrometheusOptions::new(runtime.sd_dir()) })
+        Prometheus::start(PrometheusOptions {
+            scrape_interval: Duration::from_secs(2),
+            ..PrometheusOptions::new(runtime.sd_dir())
+        })
     })?;
 
     let opts = StoryOptions {
@@ -87,8 +114,16 @@ async fn main() -> Result<()> {
         work_dir: out.clone(),
         ..StoryOptions::default()
     };
-    let stage = stoker_demo::Stage { cluster: &cluster, runtime: &runtime, prometheus: &prometheus, s3: &s3 };
-    println!("\n{:>6}  {:<9} {:>6} {:>10} {:>9} {:>6}  {:>16}", "t(s)", "phase", "busy%", "data wait%", "decoders", "nodes", "busiest NIC");
+    let stage = stoker_demo::Stage {
+        cluster: &cluster,
+        runtime: &runtime,
+        prometheus: &prometheus,
+        s3: &s3,
+    };
+    println!(
+        "\n{:>6}  {:<9} {:>6} {:>10} {:>9} {:>6}  {:>16}",
+        "t(s)", "phase", "busy%", "data wait%", "decoders", "nodes", "busiest NIC"
+    );
     let story = tokio::select! {
         r = stoker_demo::run(&stage, &opts, print_tick, print_decision) => r,
         _ = tokio::signal::ctrl_c() => {
@@ -99,7 +134,10 @@ async fn main() -> Result<()> {
     };
     let report = story?;
     summarize(&report);
-    std::fs::write(out.join("timeline.json"), serde_json::to_string_pretty(&report)?)?;
+    std::fs::write(
+        out.join("timeline.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
     let plot = out.join("story.png");
     let status = std::process::Command::new(&cli.python)
         .arg(trainer.with_file_name("plot.py"))
@@ -116,24 +154,49 @@ async fn main() -> Result<()> {
 fn print_tick(t: &Tick) {
     println!(
         "{:>6.0}  {:<9} {:>6.1} {:>10.1} {:>9} {:>6}  {:>6.0}% {:<8}",
-        t.t, t.phase, t.busy_pct, t.wait_pct, t.decoders, t.nodes, t.busiest_nic_pct, t.busiest_nic_node
+        t.t,
+        t.phase,
+        t.busy_pct,
+        t.wait_pct,
+        t.decoders,
+        t.nodes,
+        t.busiest_nic_pct,
+        t.busiest_nic_node
     );
 }
 
 fn print_decision(d: &Decision) {
-    println!("        autoscaler: {} → {} decoders: {}", d.from, d.to, d.reason);
+    println!(
+        "        autoscaler: {} → {} decoders: {}",
+        d.from, d.to, d.reason
+    );
 }
 
 fn summarize(r: &StoryReport) {
     println!("\n== summary");
-    println!("  GPU busy, trainer loading synchronously: {:>5.1}%", r.baseline_busy_pct);
-    println!("  GPU busy, fed by stoker (end):           {:>5.1}%", r.final_busy_pct);
+    println!(
+        "  GPU busy, trainer loading synchronously: {:>5.1}%",
+        r.baseline_busy_pct
+    );
+    println!(
+        "  GPU busy, fed by stoker (end):           {:>5.1}%",
+        r.final_busy_pct
+    );
     match r.recovered_after_s {
         Some(s) => println!("  time from DataPipeline to fed:           {s:>5.0} s"),
         None => println!("  the trainer was not fed within the timeout"),
     }
-    println!("  decoders at the end: on {} node(s): {:?}", r.decoder_nodes.len(), r.decoder_nodes);
-    let nic: Vec<String> = r.final_nic_pct.iter().filter(|(_, p)| **p >= 1.0).map(|(n, p)| format!("{n} {p:.0}%")).collect();
+    println!(
+        "  decoders at the end: on {} node(s): {:?}",
+        r.decoder_nodes.len(),
+        r.decoder_nodes
+    );
+    let nic: Vec<String> = r
+        .final_nic_pct
+        .iter()
+        .filter(|(_, p)| **p >= 1.0)
+        .map(|(n, p)| format!("{n} {p:.0}%"))
+        .collect();
     println!("  CPU-node NIC use at the end: {}", nic.join(", "));
     println!("  autoscaler decisions: {}", r.decisions.len());
     for d in &r.decisions {

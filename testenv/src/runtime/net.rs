@@ -309,7 +309,12 @@ impl NetNode {
             .args(["dev", "eth0"])
             .output()?;
         let stderr = String::from_utf8_lossy(&out.stderr);
-        if out.status.success() || stderr.contains("File exists") {
+        // Older iproute2 says "File exists", newer "Address already assigned": either way the
+        // address is on this node, e.g. reused by KWOK from a pod that stopped here.
+        if out.status.success()
+            || stderr.contains("File exists")
+            || stderr.contains("already assigned")
+        {
             Ok(())
         } else {
             bail!("adding {ip} in {}: {}", self.netns, stderr.trim())
