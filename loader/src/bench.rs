@@ -59,7 +59,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let warmup = args.warmup.min(batches.len().saturating_sub(1));
     let run_batches = |list: Vec<Vec<stoker_loader::source::SampleRef>>| {
         let client = client.clone();
-        let transform = transform;
         let bucket = args.bucket.clone();
         futures::stream::iter(list.into_iter().enumerate())
             .map(move |(i, samples)| {
