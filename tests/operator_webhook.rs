@@ -49,7 +49,8 @@ fn trainer(name: &str, pipeline: Option<&str>) -> Pod {
     };
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "labels": labels, "annotations": {"stoker.dev/world-size": "2"}},
+        "metadata": {"name": name, "labels": labels,
+                     "annotations": {"stoker.dev/world-size": "2", "stoker.dev/rank": "0"}},
         "spec": {
             "containers": [{"name": "trainer", "image": "registry.invalid/trainer:1"}],
             "nodeSelector": {"stoker.dev/pool": "cpu"}
@@ -143,6 +144,18 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
     assert_eq!(inits[0].name, "stoker-loader");
     assert_eq!(inits[0].restart_policy.as_deref(), Some("Always"));
     assert!(inits[0].startup_probe.is_some());
+    let rank = inits[0]
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "RANK")
+        .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
+        .map(|f| f.field_path.clone());
+    assert_eq!(
+        rank.as_deref(),
+        Some("metadata.annotations['stoker.dev/rank']"),
+        "the sidecar shards by the pod's rank"
+    );
     let shm = spec
         .volumes
         .as_ref()
@@ -170,6 +183,9 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
         annotations: created.metadata.annotations.clone(),
         ..Default::default()
     };
+    again
+        .annotations_mut()
+        .insert("stoker.dev/rank".into(), "1".into());
     again.status = None;
     if let Some(s) = again.spec.as_mut() {
         s.node_name = None;
@@ -227,7 +243,7 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
         Duration::from_secs(30),
         || async {
             let t = dps.get("vision").await.ok()?.status?.trainers;
-            (t.pods == 2 && t.injected == 2 && t.world_size == 2).then_some(())
+            (t.pods == 2 && t.injected == 2 && t.world_size == 2 && t.ranks == [0, 1]).then_some(())
         },
     )
     .await;
@@ -236,7 +252,7 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
         .expect("delete trainer");
     eventually("one trainer in status", Duration::from_secs(30), || async {
         let t = dps.get("vision").await.ok()?.status?.trainers;
-        (t.pods == 1).then_some(())
+        (t.pods == 1 && t.ranks == [0]).then_some(())
     })
     .await;
     let decoders_after = uids(&wait_ready_decoders(&ns.client, &ns.name, "vision", 2).await);

@@ -499,6 +499,11 @@ pub struct TrainerStatus {
     pub injected: i32,
     /// World size the trainers declare (largest `stoker.dev/world-size` seen), else the pod count.
     pub world_size: i32,
+    /// Distinct ranks the trainer pods declare (`RANK`, `stoker.dev/rank`, or an Indexed Job's
+    /// completion index), sorted; a gap shows a missing rank of an elastic job.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 4096))]
+    pub ranks: Vec<i32>,
 }
 
 /// Signals read from Prometheus.

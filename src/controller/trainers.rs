@@ -5,7 +5,7 @@ use kube::ResourceExt;
 
 use crate::api::v1alpha1::TrainerStatus;
 use crate::api::{ANNOTATION_INJECTED, ANNOTATION_WORLD_SIZE};
-use crate::webhook::inject::SIDECAR_NAME;
+use crate::webhook::inject::{RANK_SOURCES, SIDECAR_NAME};
 
 fn is_live(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_none()
@@ -40,11 +40,36 @@ pub fn trainer_status(trainers: &[Pod]) -> TrainerStatus {
                 .and_then(|v| v.parse::<i32>().ok())
         })
         .max();
+    let mut ranks: Vec<i32> = live.iter().filter_map(|p| rank(p)).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks.truncate(MAX_RANKS);
     TrainerStatus {
         pods,
         injected,
         world_size: declared.unwrap_or(pods),
+        ranks,
     }
+}
+
+/// Ranks listed in status at most (the CRD's bound).
+const MAX_RANKS: usize = 4096;
+
+/// A trainer pod's rank: a literal `RANK` in a container, else the annotations the sidecar
+/// reads it from.
+fn rank(pod: &Pod) -> Option<i32> {
+    let literal = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .flat_map(|c| c.env.iter().flatten())
+        .find(|e| e.name == "RANK")
+        .and_then(|e| e.value.as_deref()?.parse().ok());
+    literal.or_else(|| {
+        RANK_SOURCES
+            .iter()
+            .find_map(|k| pod.annotations().get(*k)?.parse().ok())
+    })
 }
 
 #[cfg(test)]
@@ -65,6 +90,22 @@ mod tests {
                 .insert(ANNOTATION_INJECTED.to_string(), "true".into());
         }
         p
+    }
+
+    #[test]
+    fn lists_the_ranks_seen() {
+        let mut a = pod(None, true);
+        a.annotations_mut()
+            .insert(crate::api::ANNOTATION_RANK.into(), "1".into());
+        let mut b = pod(None, true);
+        b.annotations_mut().insert(
+            "batch.kubernetes.io/job-completion-index".into(),
+            "0".into(),
+        );
+        let mut c = pod(None, true);
+        c.annotations_mut()
+            .insert(crate::api::ANNOTATION_RANK.into(), "1".into());
+        assert_eq!(trainer_status(&[a, b, c]).ranks, vec![0, 1]);
     }
 
     #[test]

@@ -12,7 +12,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
 
-use crate::api::{ANNOTATION_INJECTED, DataPipeline, LABEL_ROLE, ROLE_TRAINER};
+use crate::api::{
+    ANNOTATION_INJECTED, ANNOTATION_RANK, ANNOTATION_WORLD_SIZE, DataPipeline, LABEL_ROLE,
+    ROLE_TRAINER,
+};
 use crate::controller::build::decoder_pod::{credentials_env_from, restricted_security_context};
 use crate::controller::build::{CONFIG_DIR, config_map_name, decoder_discovery_selector};
 
@@ -61,6 +64,7 @@ pub fn injection_patch(
 /// The injected pod. Each step adds only what is missing, which makes re-invocation a no-op.
 pub fn inject(mut pod: Pod, dp: &DataPipeline, cfg: &InjectConfig) -> Pod {
     let pipeline = dp.name_any();
+    let loader = sidecar(&pod, dp, cfg);
     pod.labels_mut()
         .entry(LABEL_ROLE.to_string())
         .or_insert_with(|| ROLE_TRAINER.to_string());
@@ -101,7 +105,7 @@ pub fn inject(mut pod: Pod, dp: &DataPipeline, cfg: &InjectConfig) -> Pod {
     let inits = spec.init_containers.get_or_insert_with(Vec::new);
     if !inits.iter().any(|c| c.name == SIDECAR_NAME) {
         // First, so that any later init container can already read batches.
-        inits.insert(0, sidecar(dp, cfg));
+        inits.insert(0, loader);
     }
     pod
 }
@@ -154,8 +158,47 @@ fn field_env(name: &str, path: &str) -> EnvVar {
     }
 }
 
+/// Where a trainer pod's rank comes from when its containers do not set `RANK`: our own
+/// annotation, else the completion index of an Indexed Job (JobSet, torchrun on Jobs).
+pub const RANK_SOURCES: [&str; 2] = [ANNOTATION_RANK, "batch.kubernetes.io/job-completion-index"];
+
+/// `RANK`, `WORLD_SIZE` and `LOCAL_RANK` for the sidecar, which shards the epoch by them: copied
+/// from the trainer containers' own definitions (literal or downward API), else read through
+/// the downward API from the pod's annotations.
+fn rank_env(pod: &Pod) -> Vec<EnvVar> {
+    let defined = |name: &str| {
+        pod.spec
+            .iter()
+            .flat_map(|s| s.containers.iter())
+            .flat_map(|c| c.env.iter().flatten())
+            .find(|e| e.name == name)
+            .cloned()
+    };
+    let annotated = |key: &str| pod.annotations().contains_key(key);
+    let from_annotation =
+        |name: &str, key: &str| field_env(name, &format!("metadata.annotations['{key}']"));
+    let mut out = Vec::new();
+    match defined("RANK") {
+        Some(e) => out.push(e),
+        None => {
+            if let Some(key) = RANK_SOURCES.into_iter().find(|k| annotated(k)) {
+                out.push(from_annotation("RANK", key));
+            }
+        }
+    }
+    match defined("WORLD_SIZE") {
+        Some(e) => out.push(e),
+        None if annotated(ANNOTATION_WORLD_SIZE) => {
+            out.push(from_annotation("WORLD_SIZE", ANNOTATION_WORLD_SIZE));
+        }
+        None => {}
+    }
+    out.extend(defined("LOCAL_RANK"));
+    out
+}
+
 /// The loader sidecar container.
-pub fn sidecar(dp: &DataPipeline, cfg: &InjectConfig) -> Container {
+pub fn sidecar(pod: &Pod, dp: &DataPipeline, cfg: &InjectConfig) -> Container {
     let pipeline = dp.name_any();
     let probe = |period: i32, failures: i32| Probe {
         http_get: Some(HTTPGetAction {
@@ -187,12 +230,17 @@ pub fn sidecar(dp: &DataPipeline, cfg: &InjectConfig) -> Container {
         ),
         args: Some(args),
         restart_policy: Some("Always".to_string()),
-        env: Some(vec![
-            field_env("STOKER_POD_NAME", "metadata.name"),
-            field_env("STOKER_NODE_NAME", "spec.nodeName"),
-            env("STOKER_SOCKET", SOCKET_PATH),
-            env("STOKER_SHM_DIR", SHM_DIR),
-        ]),
+        env: Some(
+            [
+                field_env("STOKER_POD_NAME", "metadata.name"),
+                field_env("STOKER_NODE_NAME", "spec.nodeName"),
+                env("STOKER_SOCKET", SOCKET_PATH),
+                env("STOKER_SHM_DIR", SHM_DIR),
+            ]
+            .into_iter()
+            .chain(rank_env(pod))
+            .collect(),
+        ),
         env_from: credentials_env_from(dp),
         ports: Some(vec![k8s_openapi::api::core::v1::ContainerPort {
             name: Some("stoker-metrics".to_string()),
@@ -311,6 +359,49 @@ mod tests {
             .and_then(|s| s.init_containers.clone())
             .expect("inits");
         assert_eq!(inits.len(), 1);
+    }
+
+    fn sidecar_env(pod: &Pod) -> Vec<EnvVar> {
+        let patched = apply(pod, &injection_patch(pod, &dp(), &cfg()).expect("patch"));
+        let spec = patched.spec.expect("spec");
+        spec.init_containers.expect("inits")[0]
+            .env
+            .clone()
+            .expect("env")
+    }
+
+    #[test]
+    fn the_sidecar_learns_the_trainers_rank_and_world_size() {
+        // The fixture's trainer sets RANK=0 itself.
+        let env = sidecar_env(&trainer());
+        let rank = env.iter().find(|e| e.name == "RANK").expect("RANK");
+        assert_eq!(rank.value.as_deref(), Some("0"));
+
+        // An Indexed Job pod: the rank comes from its completion index, the world size from ours.
+        let mut pod = trainer();
+        pod.spec.as_mut().expect("spec").containers[0].env = None;
+        pod.annotations_mut().insert(
+            "batch.kubernetes.io/job-completion-index".into(),
+            "3".into(),
+        );
+        pod.annotations_mut()
+            .insert(ANNOTATION_WORLD_SIZE.into(), "8".into());
+        let env = sidecar_env(&pod);
+        let path = |name: &str| {
+            env.iter()
+                .find(|e| e.name == name)
+                .and_then(|e| e.value_from.as_ref())
+                .and_then(|v| v.field_ref.as_ref())
+                .map(|f| f.field_path.clone())
+        };
+        assert_eq!(
+            path("RANK").as_deref(),
+            Some("metadata.annotations['batch.kubernetes.io/job-completion-index']")
+        );
+        assert_eq!(
+            path("WORLD_SIZE").as_deref(),
+            Some("metadata.annotations['stoker.dev/world-size']")
+        );
     }
 
     #[test]
