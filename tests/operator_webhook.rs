@@ -63,18 +63,22 @@ fn count<T>(items: Option<&Vec<T>>, pred: impl Fn(&T) -> bool) -> usize {
     items.map_or(0, |v| v.iter().filter(|x| pred(x)).count())
 }
 
+fn self_managed(ns: &str, mwc: &str) -> SelfManaged {
+    SelfManaged {
+        secret_namespace: ns.to_string(),
+        secret_name: "stoker-webhook-tls".into(),
+        dns_names: vec![format!("stoker-webhook.{ns}.svc")],
+        ip_addresses: vec!["127.0.0.1".parse().expect("ip")],
+        webhook_configuration: mwc.to_string(),
+        validity: Duration::from_secs(90 * 86_400),
+        renew_before: Duration::from_secs(30 * 86_400),
+    }
+}
+
 async fn start_with_webhook(client: &Client, ns: &str, mwc: &str) -> Operator {
     let webhook = WebhookConfig {
         listen: "127.0.0.1:0".parse().expect("addr"),
-        tls: TlsSource::SelfManaged(SelfManaged {
-            secret_namespace: ns.to_string(),
-            secret_name: "stoker-webhook-tls".into(),
-            dns_names: vec![format!("stoker-webhook.{ns}.svc")],
-            ip_addresses: vec!["127.0.0.1".parse().expect("ip")],
-            webhook_configuration: mwc.to_string(),
-            validity: Duration::from_secs(90 * 86_400),
-            renew_before: Duration::from_secs(30 * 86_400),
-        }),
+        tls: TlsSource::SelfManaged(self_managed(ns, mwc)),
         refresh_interval: Duration::from_secs(60),
         inject: InjectConfig {
             loader_image: LOADER_IMAGE.into(),
@@ -261,6 +265,77 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
         "trainer changes restarted decoders"
     );
 
+    op.stop().await;
+    mwcs.delete(&mwc_name, &DeleteParams::default())
+        .await
+        .expect("delete mwc");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_near_expiry_is_renewed_with_the_same_ca() {
+    let cp = ControlPlane::shared();
+    let ns = cp.namespace("op-tls").await;
+    let mwc_name = format!("stoker-{}", ns.name);
+    let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ns.client.clone());
+    mwcs.create(
+        &PostParams::default(),
+        &webhook_configuration(&mwc_name, &ns.name, "https://127.0.0.1:1/mutate"),
+    )
+    .await
+    .expect("create webhook configuration");
+
+    // A certificate with one day left, as a replica issued it long ago.
+    let mut short = self_managed(&ns.name, &mwc_name);
+    short.validity = Duration::from_secs(86_400);
+    short.renew_before = Duration::ZERO;
+    let old = stoker_operator::webhook::tls::ensure_secret(&ns.client, &short)
+        .await
+        .expect("seed the Secret");
+
+    let op = start_with_webhook(&ns.client, &ns.name, &mwc_name).await;
+    let secret = Api::<Secret>::namespaced(ns.client.clone(), &ns.name)
+        .get("stoker-webhook-tls")
+        .await
+        .expect("Secret");
+    let field = |k: &str| {
+        let bytes = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(k))
+            .expect(k)
+            .0
+            .clone();
+        String::from_utf8(bytes).expect("PEM")
+    };
+    assert_ne!(
+        field("tls.crt"),
+        old.cert_pem,
+        "the serving certificate was renewed"
+    );
+    assert_eq!(
+        field("ca.crt"),
+        old.ca_pem,
+        "renewal keeps the CA the API server trusts"
+    );
+    let not_after: k8s_openapi::jiff::Timestamp = secret
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get("stoker.dev/not-after"))
+        .expect("not-after")
+        .parse()
+        .expect("timestamp");
+    let left = not_after.duration_since(k8s_openapi::jiff::Timestamp::now());
+    assert!(
+        left.as_secs_f64() > 60.0 * 86_400.0,
+        "renewed for 90 days, {left:?} left"
+    );
+    let mwc = mwcs.get(&mwc_name).await.expect("mwc");
+    let bundle = mwc.webhooks.expect("webhooks")[0]
+        .client_config
+        .ca_bundle
+        .clone();
+    assert_eq!(bundle.map(|b| b.0), Some(old.ca_pem.into_bytes()));
     op.stop().await;
     mwcs.delete(&mwc_name, &DeleteParams::default())
         .await
