@@ -34,6 +34,8 @@ pub struct Config {
     pub webhook: Option<WebhookConfig>,
     /// `/metrics`, `/healthz`, `/readyz`; `None` serves none.
     pub metrics_listen: Option<SocketAddr>,
+    /// The autoscaler and the Prometheus it reads; `None` runs no autoscaler.
+    pub autoscaler: Option<autoscale::AutoscalerSettings>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +46,8 @@ pub enum RunError {
     Metrics(std::io::Error),
     #[error("lost leadership of Lease {0}")]
     LostLease(String),
+    #[error("autoscaler: {0}")]
+    Autoscaler(autoscale::prometheus::SignalError),
 }
 
 impl RunError {
@@ -52,6 +56,7 @@ impl RunError {
             Self::Webhook(e) => e.category(),
             Self::Metrics(_) => "metrics_bind",
             Self::LostLease(_) => "leader_lost",
+            Self::Autoscaler(e) => e.category(),
         }
     }
 }
@@ -91,11 +96,16 @@ pub async fn start(
     };
     metrics.set_ready(true);
 
-    let ctx = Arc::new(controller::Context::new(
-        client.clone(),
-        config.defaults.clone(),
-        metrics.clone(),
-    ));
+    let autoscaler = config
+        .autoscaler
+        .clone()
+        .map(controller::autoscaling::AutoscalerHandle::new)
+        .transpose()
+        .map_err(RunError::Autoscaler)?;
+    let ctx = Arc::new(
+        controller::Context::new(client.clone(), config.defaults.clone(), metrics.clone())
+            .with_autoscaler(autoscaler),
+    );
     let m = metrics.clone();
     let task = tokio::spawn(async move {
         let Some(lease) = config.lease else {

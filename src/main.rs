@@ -81,6 +81,16 @@ struct RunArgs {
     metrics_listen: SocketAddr,
     #[arg(long)]
     log_json: bool,
+    /// Prometheus the autoscaler reads (e.g. http://prometheus.monitoring:9090); without it no
+    /// pipeline is autoscaled and `auto` pipelines run decoders.minReplicas.
+    #[arg(long, env = "STOKER_PROMETHEUS_URL")]
+    prometheus_url: Option<String>,
+    /// How often each pipeline's signals are read and decided on.
+    #[arg(long, default_value_t = 30)]
+    autoscale_period_seconds: u64,
+    /// The window every rate is taken over (at least 4 scrape intervals).
+    #[arg(long, default_value_t = 60)]
+    autoscale_window_seconds: u64,
 }
 
 #[tokio::main]
@@ -134,6 +144,17 @@ async fn main() -> anyhow::Result<()> {
             },
         }),
         metrics_listen: Some(args.metrics_listen),
+        autoscaler: args.prometheus_url.clone().map(|url| {
+            stoker_operator::autoscale::AutoscalerSettings {
+                prometheus_url: Some(url),
+                period: Duration::from_secs(args.autoscale_period_seconds),
+                defaults: stoker_operator::autoscale::AutoscalingPolicy {
+                    window: Duration::from_secs(args.autoscale_window_seconds),
+                    ..Default::default()
+                },
+                ..Default::default()
+            }
+        }),
     };
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();

@@ -137,6 +137,7 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
             },
         }),
         metrics_listen: Some("127.0.0.1:0".parse().expect("addr")),
+        autoscaler: None,
     };
     let op = Operator::start_with(client, config).await;
 

@@ -29,6 +29,7 @@ async fn replica(client: &Client, ns: &str, identity: &str) -> Operator {
         },
         webhook: None,
         metrics_listen: None,
+        autoscaler: None,
     };
     Operator::start_with(client.clone(), config).await
 }

@@ -2,6 +2,7 @@
 //! pipeline through [`reconcile::reconcile`].
 
 pub mod apply;
+pub mod autoscaling;
 pub mod build;
 mod error;
 pub mod fleet;
@@ -40,6 +41,8 @@ pub struct Context {
     pub recorder: Recorder,
     /// How often a settled pipeline is looked at again.
     pub resync: Duration,
+    /// `None`: no autoscaling; pipelines in `auto` mode run `decoders.minReplicas`.
+    pub autoscaler: Option<autoscaling::AutoscalerHandle>,
 }
 
 impl Context {
@@ -57,7 +60,13 @@ impl Context {
             metrics,
             recorder,
             resync: Duration::from_secs(300),
+            autoscaler: None,
         }
+    }
+
+    pub fn with_autoscaler(mut self, autoscaler: Option<autoscaling::AutoscalerHandle>) -> Self {
+        self.autoscaler = autoscaler;
+        self
     }
 }
 

@@ -13,7 +13,7 @@ use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
 
 use super::build::{config_map, decoder_pod, network_policy, service, sidecar_rbac};
-use super::{Context, Error, FIELD_MANAGER, apply, fleet, status, trainers, validate};
+use super::{Context, Error, FIELD_MANAGER, apply, autoscaling, fleet, status, trainers, validate};
 use crate::api::v1alpha1::AutoscalingMode;
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
 
@@ -84,6 +84,9 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     if dp.meta().deletion_timestamp.is_some() {
         // Children go with the pipeline through their owner references.
         ctx.metrics.forget_pipeline(&namespace, &name);
+        if let Some(autoscaler) = &ctx.autoscaler {
+            autoscaler.forget(dp);
+        }
         return Ok(Action::await_change());
     }
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
@@ -108,8 +111,20 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     let policy = network_policy::network_policy(dp);
     let role = sidecar_rbac::sidecar_role(dp);
     let binding = sidecar_rbac::sidecar_role_binding(dp);
-    let desired = fleet::desired_replicas(&dp.spec, None);
-    let plan = if problems.is_empty() {
+    // autoscale: a decision once per period; between them the count in effect stands.
+    let decision = match &ctx.autoscaler {
+        Some(a) if dp.spec.autoscaling.mode != AutoscalingMode::Off => {
+            a.decide(&ctx.client, dp, &observed, now).await?
+        }
+        _ => None,
+    };
+    let recommended = match &decision {
+        Some(d) => Some(i32::try_from(d.recommended).unwrap_or(i32::MAX)),
+        None if ctx.autoscaler.is_some() => dp.status.as_ref().map(|s| s.decoders.desired),
+        None => None,
+    };
+    let desired = fleet::desired_replicas(&dp.spec, recommended);
+    let mut plan = if problems.is_empty() {
         let spec = decoder_pod::decoder_pod_spec(dp, &ctx.defaults);
         fleet::plan(
             &observed.decoders,
@@ -122,6 +137,16 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
         fleet::FleetPlan::default()
     };
 
+    // Decoders pushing a node's NIC past the limit drain and are replaced elsewhere.
+    if let Some(d) = decision.as_ref().filter(|_| problems.is_empty()) {
+        for pod in &d.move_pods {
+            if !plan.drain.contains(pod) && !plan.delete.contains(pod) {
+                plan.drain.push(pod.clone());
+                plan.create += 1;
+            }
+        }
+    }
+
     // apply
     let client = &ctx.client;
     futures::try_join!(
@@ -131,8 +156,17 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
         apply::apply(client, &role, FIELD_MANAGER),
         apply::apply(client, &binding, FIELD_MANAGER),
     )?;
+    let avoid = ctx
+        .autoscaler
+        .as_ref()
+        .map(|a| a.avoid_nodes(dp))
+        .unwrap_or_default();
     let new_pods: Vec<Pod> = (0..plan.create)
-        .map(|_| decoder_pod::decoder_pod(dp, &pod_suffix(), &ctx.defaults))
+        .map(|_| {
+            let mut pod = decoder_pod::decoder_pod(dp, &pod_suffix(), &ctx.defaults);
+            autoscaling::keep_off(&mut pod, &avoid);
+            pod
+        })
         .collect();
     // Futures are made eagerly (Vecs, not lazy maps) so the reconcile future stays Send.
     let limit = POD_WRITES_IN_FLIGHT;
@@ -181,6 +215,16 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
         );
         publish(ctx, &reference, "ScaledDecoders", &note, EventType::Normal).await;
     }
+    if let Some(d) = decision.as_ref().filter(|d| d.scales()) {
+        publish(
+            ctx,
+            &reference,
+            "AutoscalerDecision",
+            &d.reason,
+            EventType::Normal,
+        )
+        .await;
+    }
 
     // status: count what the fleet is after this reconcile's changes settle
     let mut fleet_status = fleet::fleet_status(&observed.decoders, desired);
@@ -192,7 +236,10 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
         trainers: trainers::trainer_status(&observed.trainers),
         problems,
         failed_replaced: plan.failed,
-        scale_reason: scale_reason(dp),
+        scale_reason: decision
+            .as_ref()
+            .map_or_else(|| scale_reason(dp), |d| d.reason.clone()),
+        autoscale: decision.as_ref(),
     };
     let new_status = status::desired_status(dp, obs, now);
     ctx.metrics.fleet(

@@ -52,12 +52,14 @@ pub fn set_condition(
 }
 
 /// What one reconcile saw and did, the inputs of the status.
-pub struct Observation {
+pub struct Observation<'a> {
     pub fleet: DecoderFleetStatus,
     pub trainers: TrainerStatus,
     pub problems: Vec<String>,
     pub failed_replaced: usize,
     pub scale_reason: String,
+    /// The autoscaler's decision, when this reconcile made one.
+    pub autoscale: Option<&'a crate::autoscale::ScaleDecision>,
 }
 
 /// The status the pipeline should have now.
@@ -116,6 +118,19 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
         now,
     );
 
+    if let Some(decision) = obs.autoscale {
+        for c in decision.condition_reports() {
+            set_condition(
+                &mut conditions,
+                c.type_,
+                c.status,
+                c.reason,
+                c.message,
+                generation,
+                now,
+            );
+        }
+    }
     let (reason, message) = match dp.spec.autoscaling.mode {
         AutoscalingMode::Off => ("AutoscalingFixed", "autoscaling.mode is fixed"),
         _ => ("NoSignals", "the autoscaler has not read any signals yet"),
@@ -153,7 +168,10 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
         conditions,
         decoders: fleet,
         trainers: obs.trainers,
-        observed: previous.observed,
+        observed: obs
+            .autoscale
+            .map(|d| d.observed_signals())
+            .or(previous.observed),
         last_scale,
     }
 }
@@ -199,7 +217,7 @@ mod tests {
             .expect("fixture")
     }
 
-    fn obs(desired: i32, ready: i32) -> Observation {
+    fn obs(desired: i32, ready: i32) -> Observation<'static> {
         Observation {
             fleet: DecoderFleetStatus {
                 desired,
@@ -211,6 +229,7 @@ mod tests {
             problems: vec![],
             failed_replaced: 0,
             scale_reason: "decoders.minReplicas".into(),
+            autoscale: None,
         }
     }
 

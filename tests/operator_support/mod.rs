@@ -96,6 +96,7 @@ impl Operator {
             },
             webhook,
             metrics_listen: None,
+            autoscaler: None,
         };
         Self::start_with(client, config).await
     }
