@@ -345,3 +345,33 @@ async fn snapshot(client: &kube::Client, ns: &str, name: &str) -> Vec<(String, S
     out.push(rv(&rb.metadata));
     out
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decoders_spread_over_zones_when_asked() {
+    let cp = ControlPlane::shared();
+    let ns = cp.namespace("op-zones").await;
+    install_crd(&ns.client).await;
+    let op = Operator::start(ns.client.clone(), &ns.name, None).await;
+    let mut dp = pipeline("zoned", 6, 1);
+    dp.spec.decoders.spread.zones = true;
+    let dps: Api<DataPipeline> = Api::namespaced(ns.client.clone(), &ns.name);
+    dps.create(&PostParams::default(), &dp)
+        .await
+        .expect("create pipeline");
+    let pods = wait_ready_decoders(&ns.client, &ns.name, "zoned", 6).await;
+    // cpu-0, 2, 4, 6 are in zone-a; cpu-1, 3, 5, 7 in zone-b.
+    let mut zones = std::collections::BTreeMap::<&str, usize>::new();
+    for (node, n) in per_node(&pods) {
+        let index: usize = node.trim_start_matches("cpu-").parse().expect("cpu node");
+        *zones
+            .entry(if index % 2 == 0 { "zone-a" } else { "zone-b" })
+            .or_default() += n;
+    }
+    assert_eq!(
+        zones.values().copied().collect::<Vec<_>>(),
+        [3, 3],
+        "{zones:?}"
+    );
+    assert!(skew_over_cpu_nodes(&pods) <= 1);
+    op.stop().await;
+}
