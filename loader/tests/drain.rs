@@ -17,7 +17,7 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
     let server = S3Server::start(dir.path()).unwrap();
     // A large PNG makes each batch take a while, so SIGTERM lands mid-batch.
     server
-        .put_object(BUCKET, "big.png", &png(1600, 1200))
+        .put_object(BUCKET, "big.png", &png(800, 600))
         .unwrap();
     server
         .put_object(BUCKET, "small.jpg", &jpeg(64, 48))

@@ -12,7 +12,7 @@ use futures::StreamExt;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
-use super::client::{CONNECTION_WINDOW, MAX_MESSAGE_BYTES, STREAM_WINDOW};
+use super::client::{CONNECTION_WINDOW, MAX_FRAME, MAX_MESSAGE_BYTES, STREAM_WINDOW};
 use super::service::{DecodeWorker, WorkerState};
 use crate::decode::DecodeLimits;
 use crate::metrics::LoaderMetrics;
@@ -130,6 +130,7 @@ impl DecodeServer {
         let grpc = tonic::transport::Server::builder()
             .initial_stream_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_frame_size(MAX_FRAME)
             .add_service(service)
             .serve_with_incoming_shutdown(grpc_incoming, async move {
                 let _ = grpc_stop.wait_for(|s| *s).await;
