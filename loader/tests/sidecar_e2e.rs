@@ -440,3 +440,49 @@ fn a_hung_decode_worker_costs_at_most_the_batch_timeout() {
     );
     assert!(sc.metric("stoker_sidecar_retries_total{reason=\"timeout\"}") >= 1.0);
 }
+
+#[test]
+fn one_sidecar_serves_several_local_ranks_with_their_own_rings() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path().join("s3")).unwrap();
+    let keys = dataset(&server, 24, 64, 48);
+    let w = decode_worker(&server);
+    // Ranks 0 and 1 of a world of 2, in one pod (torchrun --nproc-per-node 2).
+    let sc = sidecar(
+        &server,
+        dir.path(),
+        &[&w],
+        &["--world-size", "2", "--local-ranks", "2", "--epochs", "1"],
+    );
+    assert_eq!(sc.sockets.len(), 2);
+    assert!(sc.sockets[1].ends_with("stoker-1.sock"), "{:?}", sc.sockets);
+    let epochs: Vec<Epoch> = std::thread::scope(|s| {
+        let handles: Vec<_> = sc
+            .sockets
+            .iter()
+            .enumerate()
+            .map(|(i, path)| {
+                s.spawn(move || {
+                    let mut c = stoker_loader::sidecar::client::TrainerClient::connect(
+                        path,
+                        Duration::from_secs(60),
+                    )
+                    .unwrap();
+                    assert_eq!(c.hello.rank, i as u32);
+                    consume_epoch(&mut c, |_, _| {})
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(epochs[0].batches.len(), epochs[1].batches.len());
+    let mut all: Vec<String> = epochs.iter().flat_map(Epoch::keys).collect();
+    all.sort();
+    assert_eq!(all, keys, "the two local ranks split the dataset");
+    let text = http(sc.http, "GET", "/metrics", "").1;
+    assert!(
+        text.contains("stoker_trainer_data_wait_seconds_total{rank=\"1\"}"),
+        "{text}"
+    );
+}

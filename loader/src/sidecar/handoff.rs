@@ -92,7 +92,7 @@ async fn next(pipeline: &Pipeline, wait: Duration, held: &mut HashSet<u32>) -> R
         let waited = start.elapsed();
         pipeline
             .metrics
-            .data_wait_seconds
+            .data_wait(pipeline.plan.shard.rank)
             .inc_by((waited - counted).as_secs_f64());
         counted = waited;
         if got.is_some() || waited >= wait {
@@ -103,10 +103,6 @@ async fn next(pipeline: &Pipeline, wait: Duration, held: &mut HashSet<u32>) -> R
         Some(Item::Batch(header)) => {
             held.insert(header.slot);
             count_delivered(&pipeline.metrics, &header);
-            pipeline
-                .metrics
-                .ready_batches
-                .set(pipeline.delivery.ready_batches() as i64);
             Reply::Batch(header)
         }
         Some(Item::EndOfEpoch(epoch)) => Reply::EndOfEpoch { epoch },

@@ -15,7 +15,8 @@ use super::pipeline::Pipeline;
 
 #[derive(Clone)]
 pub struct HttpState {
-    pub pipeline: Arc<Pipeline>,
+    /// One per local rank served.
+    pub pipelines: Vec<Arc<Pipeline>>,
     pub socket_listening: Arc<AtomicBool>,
 }
 
@@ -29,9 +30,17 @@ pub fn router(state: HttpState) -> Router {
 }
 
 async fn metrics(State(s): State<HttpState>) -> impl axum::response::IntoResponse {
-    let fleet = s.pipeline.fleet.counts();
-    let workers = &s.pipeline.metrics.workers;
     use super::metrics::StateLabel;
+    let Some(first) = s.pipelines.first() else {
+        return (
+            [(axum::http::header::CONTENT_TYPE, "text/plain")],
+            String::new(),
+        );
+    };
+    let fleet = first.fleet.counts();
+    let workers = &first.metrics.workers;
+    let ready: usize = s.pipelines.iter().map(|p| p.delivery.ready_batches()).sum();
+    first.metrics.ready_batches.set(ready as i64);
     workers
         .get_or_create(&StateLabel { state: "available" })
         .set(fleet.available as i64);
@@ -43,7 +52,7 @@ async fn metrics(State(s): State<HttpState>) -> impl axum::response::IntoRespons
             axum::http::header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        s.pipeline.metrics.encode(),
+        first.metrics.encode(),
     )
 }
 
@@ -56,13 +65,16 @@ async fn ready(State(s): State<HttpState>) -> (StatusCode, &'static str) {
 }
 
 async fn get_share(State(s): State<HttpState>) -> String {
-    format!("{}\n", s.pipeline.local_share())
+    let share = s.pipelines.first().map_or(0.0, |p| p.local_share());
+    format!("{share}\n")
 }
 
 async fn put_share(State(s): State<HttpState>, body: String) -> (StatusCode, String) {
     match body.trim().parse::<f64>() {
         Ok(v) if (0.0..=1.0).contains(&v) => {
-            s.pipeline.set_local_share(v);
+            for p in &s.pipelines {
+                p.set_local_share(v);
+            }
             tracing::info!(share = v, "local decode share changed");
             (StatusCode::OK, format!("{v}\n"))
         }

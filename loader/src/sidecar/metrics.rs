@@ -18,6 +18,11 @@ pub struct ReasonLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RankLabel {
+    pub rank: u32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteLabel {
     pub route: &'static str,
 }
@@ -29,7 +34,8 @@ pub struct StateLabel {
 
 pub struct SidecarMetrics {
     registry: Registry,
-    pub data_wait_seconds: Counter<f64, AtomicU64>,
+    /// Per trainer rank: in synchronous training the most starved rank gates all of them.
+    pub data_wait_seconds: Family<RankLabel, Counter<f64, AtomicU64>>,
     pub batches_delivered: Counter,
     pub samples_delivered: Counter,
     pub samples_skipped: Family<ReasonLabel, Counter>,
@@ -54,7 +60,7 @@ impl Default for SidecarMetrics {
 impl SidecarMetrics {
     pub fn new() -> Self {
         let mut root = Registry::default();
-        let data_wait_seconds = Counter::<f64, AtomicU64>::default();
+        let data_wait_seconds = Family::<RankLabel, Counter<f64, AtomicU64>>::default();
         root.register(
             "stoker_trainer_data_wait_seconds",
             "Seconds the trainer spent blocked waiting for its next batch; rate() of it is the starved share of wall time",
@@ -144,6 +150,12 @@ impl SidecarMetrics {
             epoch,
             loader: std::sync::Arc::new(LoaderMetrics::new()),
         }
+    }
+
+    pub fn data_wait(&self, rank: u32) -> Counter<f64, AtomicU64> {
+        self.data_wait_seconds
+            .get_or_create(&RankLabel { rank })
+            .clone()
     }
 
     pub fn retry(&self, reason: &'static str) {

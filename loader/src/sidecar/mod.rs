@@ -64,6 +64,8 @@ pub enum SidecarError {
         start_batch: u64,
         batches_per_epoch: u64,
     },
+    #[error("--socket names one socket; with --local-ranks {local_ranks} use --shm-dir")]
+    SocketWithLocalRanks { local_ranks: u32 },
 }
 
 impl SidecarError {
@@ -77,6 +79,7 @@ impl SidecarError {
             SidecarError::Bind { .. } => "bind",
             SidecarError::Pool { .. } => "pool",
             SidecarError::StartBatch { .. } => "start_batch",
+            SidecarError::SocketWithLocalRanks { .. } => "socket_with_local_ranks",
         }
     }
 }
@@ -105,9 +108,13 @@ pub struct SidecarArgs {
     pub rank: u32,
     #[arg(long, env = "WORLD_SIZE", default_value_t = 1)]
     pub world_size: u32,
-    /// Names the default socket, so several sidecars can share a pod.
+    /// Local rank of the first trainer served; names its socket (stoker-<local rank>.sock).
     #[arg(long, env = "LOCAL_RANK", default_value_t = 0)]
     pub local_rank: u32,
+    /// Trainer processes in the pod served by this sidecar (torchrun's nproc_per_node): ranks
+    /// `rank .. rank + local_ranks`, one ring and one socket each. torchrun's LOCAL_WORLD_SIZE.
+    #[arg(long, env = "STOKER_LOCAL_RANKS", default_value_t = 1)]
+    pub local_ranks: u32,
     /// Resume: first epoch to deliver.
     #[arg(long, env = "STOKER_START_EPOCH", default_value_t = 0)]
     pub start_epoch: u64,
@@ -129,7 +136,7 @@ pub struct SidecarArgs {
     /// Memory-backed directory for the ring.
     #[arg(long, env = "STOKER_SHM_DIR", default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
-    /// Unix socket; default: <shm-dir>/stoker-<local rank>.sock.
+    /// Unix socket (one local rank only); default: <shm-dir>/stoker-<local rank>.sock.
     #[arg(long, env = "STOKER_SOCKET")]
     pub socket: Option<PathBuf>,
     /// /metrics, /readyz, /local-share.
@@ -175,11 +182,14 @@ pub struct SidecarArgs {
 }
 
 impl SidecarArgs {
-    pub fn socket_path(&self) -> PathBuf {
-        self.socket.clone().unwrap_or_else(|| {
-            self.shm_dir
-                .join(format!("stoker-{}.sock", self.local_rank))
-        })
+    /// The socket of the `i`-th local rank served.
+    pub fn socket_path(&self, i: u32) -> PathBuf {
+        match &self.socket {
+            Some(s) if self.local_ranks <= 1 => s.clone(),
+            _ => self
+                .shm_dir
+                .join(format!("stoker-{}.sock", self.local_rank + i)),
+        }
     }
 
     fn discovery(&self) -> Option<Box<dyn WorkerDiscovery>> {
@@ -247,24 +257,34 @@ pub async fn run(
             prefix: args.prefix.clone(),
         });
     }
-    let plan = PlanConfig {
-        seed: args.seed,
-        batch_size: args.batch_size,
-        drop_last: args.drop_last,
-        shuffle: !args.no_shuffle,
-        shard: Shard {
-            rank: args.rank,
-            world_size: args.world_size,
-        },
-    };
-    plan.validate(samples.len())?;
-    let batches_per_epoch = plan.batches_per_epoch(samples.len()) as u64;
+    let local_ranks = args.local_ranks.max(1);
+    if local_ranks > 1 && args.socket.is_some() {
+        return Err(SidecarError::SocketWithLocalRanks { local_ranks });
+    }
+    let plans: Vec<PlanConfig> = (0..local_ranks)
+        .map(|i| PlanConfig {
+            seed: args.seed,
+            batch_size: args.batch_size,
+            drop_last: args.drop_last,
+            shuffle: !args.no_shuffle,
+            shard: Shard {
+                rank: args.rank + i,
+                world_size: args.world_size,
+            },
+        })
+        .collect();
+    for plan in &plans {
+        plan.validate(samples.len())?;
+    }
+    // Equal on every rank by construction of the plan.
+    let batches_per_epoch = plans[0].batches_per_epoch(samples.len()) as u64;
     if args.start_batch >= batches_per_epoch {
         return Err(SidecarError::StartBatch {
             start_batch: args.start_batch,
             batches_per_epoch,
         });
     }
+    let samples = Arc::new(samples);
     let slots = args.prefetch_batches.max(1) + args.held_batches.max(1);
     let slot_bytes = args
         .slot_bytes
@@ -274,7 +294,6 @@ pub async fn run(
         addr: args.shm_dir.display().to_string(),
         source,
     })?;
-    let ring = ShmRing::create(&args.shm_dir, slots, slot_bytes)?;
     let threads = if args.local_decoders == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {
@@ -335,53 +354,59 @@ pub async fn run(
         });
     }
 
-    let pipeline = Arc::new(Pipeline {
-        bucket: args.bucket.clone(),
-        samples,
-        plan,
-        start_epoch: args.start_epoch,
-        start_batch: args.start_batch,
-        epochs: args.epochs,
-        transform,
-        limits: DecodeLimits {
-            max_pixels: args.max_source_pixels,
-        },
-        batch_timeout: Duration::from_secs_f64(args.batch_timeout_secs.max(0.001)),
-        local_fallback: !args.no_local_fallback,
-        local_share: AtomicU64::new(0),
-        local_pool: Arc::new(local_pool),
-        source,
-        fleet,
-        ring: ring.clone(),
-        delivery: Delivery::default(),
-        metrics: metrics.clone(),
-    });
-    pipeline.set_local_share(local_share);
-
     let placement_on = args.gpu_placement == GpuPlacement::Auto && probe.is_available();
-    let hello = Arc::new(HelloInfo {
-        shm_path: ring.path().display().to_string(),
-        slots: ring.slots() as u32,
-        slot_bytes: ring.slot_bytes() as u64,
-        rank: args.rank,
-        world_size: args.world_size,
-        batch_size: args.batch_size as u32,
-        batches_per_epoch,
-        start_epoch: args.start_epoch,
-        start_batch: args.start_batch,
-        gpu: GpuInfo {
-            available: probe.is_available(),
-            reason: match &probe {
-                GpuProbe::Unavailable { reason } => Some(reason.clone()),
-                GpuProbe::Available { .. } => None,
+    let local_pool = Arc::new(local_pool);
+    let mut served = Vec::new();
+    for (i, plan) in plans.into_iter().enumerate() {
+        let local_rank = args.local_rank + i as u32;
+        let ring = ShmRing::create(&args.shm_dir, local_rank, slots, slot_bytes)?;
+        let pipeline = Arc::new(Pipeline {
+            bucket: args.bucket.clone(),
+            samples: samples.clone(),
+            plan,
+            start_epoch: args.start_epoch,
+            start_batch: args.start_batch,
+            epochs: args.epochs,
+            transform,
+            limits: DecodeLimits {
+                max_pixels: args.max_source_pixels,
             },
-            devices: match probe {
-                GpuProbe::Available { devices, .. } => devices,
-                GpuProbe::Unavailable { .. } => 0,
+            batch_timeout: Duration::from_secs_f64(args.batch_timeout_secs.max(0.001)),
+            local_fallback: !args.no_local_fallback,
+            local_share: AtomicU64::new(0),
+            local_pool: local_pool.clone(),
+            source: source.clone(),
+            fleet: fleet.clone(),
+            ring: ring.clone(),
+            delivery: Delivery::default(),
+            metrics: metrics.clone(),
+        });
+        pipeline.set_local_share(local_share);
+        let hello = Arc::new(HelloInfo {
+            shm_path: ring.path().display().to_string(),
+            slots: ring.slots() as u32,
+            slot_bytes: ring.slot_bytes() as u64,
+            rank: plan.shard.rank,
+            world_size: args.world_size,
+            batch_size: args.batch_size as u32,
+            batches_per_epoch,
+            start_epoch: args.start_epoch,
+            start_batch: args.start_batch,
+            gpu: GpuInfo {
+                available: probe.is_available(),
+                reason: match &probe {
+                    GpuProbe::Unavailable { reason } => Some(reason.clone()),
+                    GpuProbe::Available { .. } => None,
+                },
+                devices: match probe {
+                    GpuProbe::Available { devices, .. } => devices,
+                    GpuProbe::Unavailable { .. } => 0,
+                },
+                placement: if placement_on { "pinned_ring" } else { "off" }.into(),
             },
-            placement: if placement_on { "pinned_ring" } else { "off" }.into(),
-        },
-    });
+        });
+        served.push((pipeline, hello, args.socket_path(i as u32)));
+    }
 
     let socket_listening = Arc::new(AtomicBool::new(false));
     let http_listener = tokio::net::TcpListener::bind(args.http_addr)
@@ -399,7 +424,7 @@ pub async fn run(
             source,
         })?;
     let app = http::router(http::HttpState {
-        pipeline: pipeline.clone(),
+        pipelines: served.iter().map(|(p, _, _)| p.clone()).collect(),
         socket_listening: socket_listening.clone(),
     });
     tokio::spawn(async move {
@@ -408,40 +433,52 @@ pub async fn run(
         }
     });
 
-    tokio::spawn(pipeline.clone().run());
-
-    let socket = args.socket_path();
-    // A socket file left by a previous run of this sidecar would make bind fail.
-    let _ = std::fs::remove_file(&socket);
-    let listener =
-        tokio::net::UnixListener::bind(&socket).map_err(|source| SidecarError::Bind {
-            what: "unix socket",
-            addr: socket.display().to_string(),
-            source,
-        })?;
+    let mut serving = Vec::new();
+    for (pipeline, hello, socket) in &served {
+        tokio::spawn(pipeline.clone().run());
+        // A socket file left by a previous run of this sidecar would make bind fail.
+        let _ = std::fs::remove_file(socket);
+        let listener =
+            tokio::net::UnixListener::bind(socket).map_err(|source| SidecarError::Bind {
+                what: "unix socket",
+                addr: socket.display().to_string(),
+                source,
+            })?;
+        serving.push(handoff::serve(listener, pipeline.clone(), hello.clone()));
+    }
     socket_listening.store(true, std::sync::atomic::Ordering::SeqCst);
+    let sockets: Vec<String> = served
+        .iter()
+        .map(|(_, _, s)| s.display().to_string())
+        .collect();
+    let rings: Vec<String> = served
+        .iter()
+        .map(|(p, _, _)| p.ring.path().display().to_string())
+        .collect();
     // Scripts and tests wait for this line to learn the addresses.
     println!(
-        "stoker-loader sidecar listening socket={} http={} shm={}",
-        socket.display(),
-        http_addr,
-        ring.path().display()
+        "stoker-loader sidecar listening socket={} http={http_addr} shm={}",
+        sockets.join(","),
+        rings.join(","),
     );
     tracing::info!(
         rank = args.rank,
+        local_ranks,
         world_size = args.world_size,
         batches_per_epoch,
         slots,
-        slot_bytes = ring.slot_bytes(),
+        slot_bytes,
         "sidecar serving"
     );
     tokio::select! {
-        () = handoff::serve(listener, pipeline.clone(), hello) => {}
+        _ = futures::future::join_all(serving) => {}
         () = shutdown => tracing::info!("sidecar stopping"),
     }
     socket_listening.store(false, std::sync::atomic::Ordering::SeqCst);
-    let _ = std::fs::remove_file(&socket);
-    // Tasks still hold the ring, so its Drop may never run before exit: remove the file here.
-    let _ = std::fs::remove_file(ring.path());
+    for (pipeline, _, socket) in &served {
+        let _ = std::fs::remove_file(socket);
+        // Tasks still hold the ring, so its Drop may never run before exit: remove the file here.
+        let _ = std::fs::remove_file(pipeline.ring.path());
+    }
     Ok(())
 }

@@ -96,7 +96,7 @@ impl Delivery {
 /// Everything the pipeline needs, shared by its tasks, the hand-off and the HTTP endpoints.
 pub struct Pipeline {
     pub bucket: String,
-    pub samples: Vec<SampleRef>,
+    pub samples: Arc<Vec<SampleRef>>,
     pub plan: PlanConfig,
     pub start_epoch: u64,
     pub start_batch: u64,

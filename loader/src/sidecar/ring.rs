@@ -75,13 +75,22 @@ impl std::fmt::Debug for ShmRing {
 }
 
 impl ShmRing {
-    /// Creates `dir/stoker-ring-<pid>.bin` with `slots` slots of at least `slot_bytes` bytes.
-    pub fn create(dir: &Path, slots: usize, slot_bytes: usize) -> Result<Arc<ShmRing>, RingError> {
+    /// Creates `dir/stoker-ring-<pid>-<local rank>.bin` with `slots` slots of at least
+    /// `slot_bytes` bytes.
+    pub fn create(
+        dir: &Path,
+        local_rank: u32,
+        slots: usize,
+        slot_bytes: usize,
+    ) -> Result<Arc<ShmRing>, RingError> {
         if slots == 0 || slot_bytes == 0 {
             return Err(RingError::Empty { slots, slot_bytes });
         }
         let slot_bytes = slot_bytes.div_ceil(PAGE) * PAGE;
-        let path = dir.join(format!("stoker-ring-{}.bin", std::process::id()));
+        let path = dir.join(format!(
+            "stoker-ring-{}-{local_rank}.bin",
+            std::process::id()
+        ));
         let create_err = |source| RingError::Create {
             path: path.clone(),
             source,
@@ -225,7 +234,7 @@ mod tests {
     #[tokio::test]
     async fn slots_cycle_and_bound_the_ring() {
         let dir = tempfile::tempdir().unwrap();
-        let ring = ShmRing::create(dir.path(), 2, 100).unwrap();
+        let ring = ShmRing::create(dir.path(), 0, 2, 100).unwrap();
         assert_eq!(ring.slot_bytes(), PAGE);
         let mut a = ring.acquire().await;
         a.bytes_mut()[0] = 7;

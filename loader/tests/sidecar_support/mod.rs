@@ -117,7 +117,10 @@ pub fn decode_worker(server: &S3Server) -> DecodeWorkerProc {
 
 pub struct SidecarProc {
     pub proc: Proc,
+    /// The first local rank's socket.
     pub socket: PathBuf,
+    /// One per local rank served.
+    pub sockets: Vec<PathBuf>,
     pub http: SocketAddr,
     pub shm: PathBuf,
 }
@@ -146,9 +149,10 @@ pub fn sidecar(
     cmd.args(["sidecar", "--bucket", BUCKET, "--http-addr", "127.0.0.1:0"])
         .arg("--shm-dir")
         .arg(&shm)
-        .arg("--socket")
-        .arg(&socket)
         .args(["--local-decoders", "1"]);
+    if !extra.contains(&"--local-ranks") {
+        cmd.arg("--socket").arg(&socket);
+    }
     if !workers.is_empty() {
         let list: Vec<&str> = workers.iter().map(|w| w.grpc.as_str()).collect();
         cmd.arg("--workers").arg(list.join(","));
@@ -163,10 +167,12 @@ pub fn sidecar(
     s3_flags(&mut cmd, server);
     let proc = spawn(cmd, server);
     let http = proc.field("http").parse().expect("http addr");
-    let shm_file = PathBuf::from(proc.field("shm"));
+    let sockets: Vec<PathBuf> = proc.field("socket").split(',').map(PathBuf::from).collect();
+    let shm_file = PathBuf::from(proc.field("shm").split(',').next().unwrap_or_default());
     SidecarProc {
         proc,
-        socket,
+        socket: sockets[0].clone(),
+        sockets,
         http,
         shm: shm_file,
     }
