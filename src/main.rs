@@ -1,8 +1,11 @@
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use stoker_operator::controller::build::BuildDefaults;
 use stoker_operator::leader::LeaseConfig;
 use stoker_operator::webhook::WebhookConfig;
@@ -59,6 +62,12 @@ struct RunArgs {
         default_value = "ghcr.io/stoker-dev/stoker-loader:0.1.0"
     )]
     loader_image: String,
+    /// CPU of the injected sidecar (requests = limits, so Guaranteed trainer pods stay so).
+    #[arg(long, default_value = "1")]
+    sidecar_cpu: String,
+    /// Memory of the injected sidecar before its shared-memory ring is added.
+    #[arg(long, default_value = "512Mi")]
+    sidecar_memory: String,
     #[arg(long, default_value = "0.0.0.0:8443")]
     webhook_listen: SocketAddr,
     #[arg(long, value_enum, default_value = "self-managed")]
@@ -140,7 +149,7 @@ async fn main() -> anyhow::Result<()> {
             refresh_interval: Duration::from_secs(600),
             inject: InjectConfig {
                 loader_image: args.loader_image.clone(),
-                sidecar_resources: None,
+                sidecar_resources: Some(sidecar_resources(&args.sidecar_cpu, &args.sidecar_memory)),
             },
         }),
         metrics_listen: Some(args.metrics_listen),
@@ -187,4 +196,16 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+fn sidecar_resources(cpu: &str, memory: &str) -> ResourceRequirements {
+    let both = BTreeMap::from([
+        ("cpu".to_string(), Quantity(cpu.to_string())),
+        ("memory".to_string(), Quantity(memory.to_string())),
+    ]);
+    ResourceRequirements {
+        requests: Some(both.clone()),
+        limits: Some(both),
+        ..ResourceRequirements::default()
+    }
 }

@@ -82,7 +82,13 @@ async fn start_with_webhook(client: &Client, ns: &str, mwc: &str) -> Operator {
         refresh_interval: Duration::from_secs(60),
         inject: InjectConfig {
             loader_image: LOADER_IMAGE.into(),
-            sidecar_resources: None,
+            sidecar_resources: Some(
+                serde_json::from_value(json!({
+                    "requests": {"cpu": "100m", "memory": "128Mi"},
+                    "limits": {"cpu": "100m", "memory": "128Mi"}
+                }))
+                .expect("resources"),
+            ),
         },
     };
     Operator::start(client.clone(), ns, Some(webhook)).await
@@ -148,6 +154,13 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
     assert_eq!(inits[0].name, "stoker-loader");
     assert_eq!(inits[0].restart_policy.as_deref(), Some("Always"));
     assert!(inits[0].startup_probe.is_some());
+    // The sidecar's memory covers its base and the pipeline's 512Mi ring.
+    let limits = inits[0]
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.clone())
+        .expect("limits");
+    assert_eq!(limits["memory"].0, ((128u64 + 512) << 20).to_string());
     let rank = inits[0]
         .env
         .iter()

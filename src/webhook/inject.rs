@@ -197,6 +197,49 @@ fn rank_env(pod: &Pod) -> Vec<EnvVar> {
     out
 }
 
+/// Bytes of a Kubernetes quantity with a binary or decimal suffix; `None` for forms this
+/// does not read (then the ring is not added to the sidecar's memory).
+pub fn quantity_bytes(q: &str) -> Option<u64> {
+    let q = q.trim();
+    let split = q.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(q.len());
+    let (number, suffix) = q.split_at(split);
+    let factor: u64 = match suffix {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        _ => return None,
+    };
+    let n: f64 = number.parse().ok()?;
+    (n >= 0.0).then(|| (n * factor as f64).ceil() as u64)
+}
+
+/// The sidecar's resources: the operator's base plus the shared-memory ring on memory, since
+/// tmpfs pages the sidecar writes are charged to its cgroup. Requests equal limits where the
+/// base sets both, so a Guaranteed trainer pod stays Guaranteed.
+fn sidecar_resources(base: &ResourceRequirements, shared_memory: &str) -> ResourceRequirements {
+    let mut r = base.clone();
+    let Some(ring) = quantity_bytes(shared_memory) else {
+        return r;
+    };
+    for list in [r.requests.as_mut(), r.limits.as_mut()]
+        .into_iter()
+        .flatten()
+    {
+        if let Some(mem) = list.get_mut("memory")
+            && let Some(b) = quantity_bytes(&mem.0)
+        {
+            *mem = Quantity((b + ring).to_string());
+        }
+    }
+    r
+}
+
 /// The loader sidecar container.
 pub fn sidecar(pod: &Pod, dp: &DataPipeline, cfg: &InjectConfig) -> Container {
     let pipeline = dp.name_any();
@@ -251,7 +294,10 @@ pub fn sidecar(pod: &Pod, dp: &DataPipeline, cfg: &InjectConfig) -> Container {
         // The trainer containers start only after this passes: the socket is listening.
         startup_probe: Some(probe(1, 600)),
         readiness_probe: Some(probe(5, 3)),
-        resources: cfg.sidecar_resources.clone(),
+        resources: cfg
+            .sidecar_resources
+            .as_ref()
+            .map(|base| sidecar_resources(base, &dp.spec.trainer.shared_memory)),
         security_context: Some(security),
         volume_mounts: Some(vec![
             shm_mount(),
@@ -402,6 +448,42 @@ mod tests {
             path("WORLD_SIZE").as_deref(),
             Some("metadata.annotations['stoker.dev/world-size']")
         );
+    }
+
+    #[test]
+    fn the_sidecar_memory_covers_the_ring() {
+        use std::collections::BTreeMap;
+        let q = |s: &str| Quantity(s.to_string());
+        let mut c = cfg();
+        let both = BTreeMap::from([
+            ("cpu".to_string(), q("1")),
+            ("memory".to_string(), q("512Mi")),
+        ]);
+        c.sidecar_resources = Some(ResourceRequirements {
+            requests: Some(both.clone()),
+            limits: Some(both),
+            ..ResourceRequirements::default()
+        });
+        let pod = apply(
+            &trainer(),
+            &injection_patch(&trainer(), &dp(), &c).expect("patch"),
+        );
+        let sidecar = &pod.spec.expect("spec").init_containers.expect("inits")[0];
+        let r = sidecar.resources.as_ref().expect("resources");
+        // 512Mi + the fixture's 2Gi ring.
+        let want = ((512u64 << 20) + (2u64 << 30)).to_string();
+        assert_eq!(r.limits.as_ref().expect("limits")["memory"].0, want);
+        assert_eq!(r.requests.as_ref().expect("requests")["memory"].0, want);
+        assert_eq!(r.limits.as_ref().expect("limits")["cpu"].0, "1");
+    }
+
+    #[test]
+    fn reads_quantities() {
+        assert_eq!(quantity_bytes("2Gi"), Some(2 << 30));
+        assert_eq!(quantity_bytes("1.5Mi"), Some(1_572_864));
+        assert_eq!(quantity_bytes("500M"), Some(500_000_000));
+        assert_eq!(quantity_bytes("1024"), Some(1024));
+        assert_eq!(quantity_bytes("1e3"), None);
     }
 
     #[test]
