@@ -116,3 +116,14 @@ def test_example_training_script_runs(env):
     out = subprocess.run([sys.executable, example, "--epochs", "2"], env=run_env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "epoch 1" in out.stdout and "data wait" in out.stdout, out.stdout
+
+
+def test_starved_pipeline_is_a_data_timeout_not_a_hang(env):
+    env.dataset(4)
+    # The only worker does not exist and local decode is off: nothing can become ready.
+    sc = env.sidecar("--batch-size", "2", "--no-local-fallback", workers=["127.0.0.1:1"])
+    client = stoker.Client(sc.socket, connect_timeout=10, next_timeout=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(stoker.DataTimeout, match="no batch ready"):
+        client.next()
+    assert 1.0 < time.monotonic() - t0 < 10
