@@ -226,3 +226,47 @@ fn with_exif_orientation(jpeg: &[u8], orientation: u16) -> Vec<u8> {
     out.extend_from_slice(&jpeg[2..]);
     out
 }
+
+#[test]
+fn cmyk_jpeg_becomes_rgb() {
+    // Adobe CMYK JPEGs store inverted ink: 255 means no ink. Cyan ink only: (0, 255, 255, 255).
+    let (w, h) = (64usize, 48usize);
+    let cmyk: Vec<u8> = (0..w * h).flat_map(|_| [0u8, 255, 255, 255]).collect();
+    let data = turbojpeg::compress(
+        turbojpeg::Image {
+            pixels: cmyk.as_slice(),
+            width: w,
+            pitch: w * 4,
+            height: h,
+            format: turbojpeg::PixelFormat::CMYK,
+        },
+        95,
+        turbojpeg::Subsamp::None,
+    )
+    .unwrap()
+    .to_vec();
+    let t = Transform::Crop {
+        width: 32,
+        height: 32,
+    };
+    let batch = decode_batch(&[sample("cmyk", data)], &t, &DecodeLimits::default());
+    assert_eq!(batch.samples[0].skip, None);
+    let px = batch.sample_pixels(0);
+    assert_eq!(px.len(), 32 * 32 * 3);
+    // Cyan: no red, full green and blue.
+    let mean = |c: usize| {
+        px.iter()
+            .skip(c)
+            .step_by(3)
+            .map(|&v| f64::from(v))
+            .sum::<f64>()
+            / 1024.0
+    };
+    assert!(
+        mean(0) < 20.0 && mean(1) > 235.0 && mean(2) > 235.0,
+        "{} {} {}",
+        mean(0),
+        mean(1),
+        mean(2)
+    );
+}
