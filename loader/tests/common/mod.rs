@@ -123,10 +123,20 @@ impl Drop for TestWorker {
 }
 
 pub async fn worker(server: Option<&S3Server>, threads: usize) -> TestWorker {
+    worker_with_queue(server, threads, 0).await
+}
+
+/// A worker admitting at most `queue_depth` batches (0: the default).
+pub async fn worker_with_queue(
+    server: Option<&S3Server>,
+    threads: usize,
+    queue_depth: usize,
+) -> TestWorker {
     let config = WorkerConfig {
         grpc_addr: "127.0.0.1:0".parse().unwrap(),
         http_addr: "127.0.0.1:0".parse().unwrap(),
         threads,
+        queue_depth,
         s3: server.map(s3_config),
         ..WorkerConfig::default()
     };
