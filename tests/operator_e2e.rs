@@ -364,7 +364,11 @@ async fn decoders_spread_over_zones_when_asked() {
     for (node, n) in per_node(&pods) {
         let index: usize = node.trim_start_matches("cpu-").parse().expect("cpu node");
         *zones
-            .entry(if index.is_multiple_of(2) { "zone-a" } else { "zone-b" })
+            .entry(if index.is_multiple_of(2) {
+                "zone-a"
+            } else {
+                "zone-b"
+            })
             .or_default() += n;
     }
     assert_eq!(
