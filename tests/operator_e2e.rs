@@ -379,3 +379,37 @@ async fn decoders_spread_over_zones_when_asked() {
     assert!(skew_over_cpu_nodes(&pods) <= 1);
     op.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_decoder_is_replaced_and_reported() {
+    let cp = ControlPlane::shared();
+    let ns = cp.namespace("op-failed").await;
+    install_crd(&ns.client).await;
+    let op = Operator::start(ns.client.clone(), &ns.name, None).await;
+    let dps: Api<DataPipeline> = Api::namespaced(ns.client.clone(), &ns.name);
+    dps.create(&PostParams::default(), &pipeline("flaky", 2, 1))
+        .await
+        .expect("create pipeline");
+    let before = wait_ready_decoders(&ns.client, &ns.name, "flaky", 2).await;
+    let victim = before[0].name_any();
+    let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    pods.patch_status(
+        &victim,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Failed", "reason": "Evicted"}})),
+    )
+    .await
+    .expect("mark the decoder failed");
+    let after = eventually(
+        "failed decoder replaced",
+        Duration::from_secs(60),
+        || async {
+            let now = decoders(&ns.client, &ns.name, "flaky").await;
+            let gone = now.iter().all(|p| p.name_any() != victim);
+            (gone && now.len() == 2 && now.iter().all(is_ready)).then_some(now)
+        },
+    )
+    .await;
+    assert!(uids(&before[1..]).is_subset(&uids(&after)));
+    op.stop().await;
+}
