@@ -22,7 +22,7 @@ async fn a_full_queue_pushes_back_and_admitted_work_completes() {
     let mut first = w.client.clone();
     let slow = tokio::spawn(async move {
         first
-            .decode_batch(request(&["big.png"; 6], crop(224, 224)))
+            .decode_batch(request(&["big.png"; 24], crop(224, 224)))
             .await
     });
     let deadline = Instant::now() + Duration::from_secs(30);

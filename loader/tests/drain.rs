@@ -59,7 +59,7 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
     let client = DecodeClient::connect(format!("http://{grpc}"))
         .await
         .unwrap();
-    let keys = ["big.png"; 4];
+    let keys = ["big.png"; 12];
     let inflight: Vec<_> = (0..3)
         .map(|_| {
             let mut c = client.clone();
@@ -67,11 +67,16 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
             tokio::spawn(async move { c.decode_batch(req).await })
         })
         .collect();
-    // Wait until all three are admitted by the worker.
+    // Wait until all three are admitted (samples are counted at admission), so that each is
+    // either in flight or done when SIGTERM lands.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let text = http_get(http, "/metrics").await.1;
-        if metric(&text, "stoker_loader_inflight_batches") >= 3.0 {
+        if metric(&text, "stoker_loader_samples_in_total") >= 36.0 {
+            assert!(
+                metric(&text, "stoker_loader_inflight_batches") >= 1.0,
+                "SIGTERM must land while batches are in flight"
+            );
             break;
         }
         assert!(Instant::now() < deadline, "batches never became in flight");
@@ -95,9 +100,9 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
 
     for task in inflight {
         let reply = task.await.unwrap().expect("in-flight batch completes");
-        assert_eq!(reply.samples.len(), 4);
+        assert_eq!(reply.samples.len(), 12);
         assert!(reply.samples.iter().all(|s| s.skip_reason.is_empty()));
-        assert_eq!(reply.pixels.len(), 4 * 224 * 224 * 3);
+        assert_eq!(reply.pixels.len(), 12 * 224 * 224 * 3);
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
