@@ -245,8 +245,7 @@ async fn shutdown_signal() {
 async fn sidecar(args: Box<SidecarCmd>) -> anyhow::Result<()> {
     let transform = args.transform.transform()?;
     let SidecarCmd { sidecar, s3, .. } = *args;
-    stoker_loader::sidecar::run(sidecar, s3.config(), transform, shutdown_signal())
-        .await?;
+    stoker_loader::sidecar::run(sidecar, s3.config(), transform, shutdown_signal()).await?;
     Ok(())
 }
 
