@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use stoker_operator::api::DataPipeline;
+use stoker_operator::autoscale::{AutoscalerSettings, AutoscalingPolicy};
 use stoker_operator::controller::build::BuildDefaults;
 use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::webhook::inject::InjectConfig;
@@ -70,7 +71,7 @@ impl Default for StoryOptions {
             recover_timeout: Duration::from_secs(240),
             settle: Duration::from_secs(20),
             fed_busy_pct: 85.0,
-            step_ms: 80,
+            step_ms: 160,
             batch_size: 16,
             image_size: 224,
             max_decoders: 8,
@@ -504,6 +505,16 @@ async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<Cancellati
         },
         webhook: Some(webhook),
         metrics_listen: None,
+        autoscaler: Some(AutoscalerSettings {
+            prometheus_url: Some(stage.prometheus.url()),
+            // Prometheus scrapes every 2 s here: rates over 12 s, a decision every 6 s.
+            period: Duration::from_secs(6),
+            defaults: AutoscalingPolicy {
+                window: Duration::from_secs(12),
+                ..AutoscalingPolicy::default()
+            },
+            ..AutoscalerSettings::default()
+        }),
     };
     let shutdown = CancellationToken::new();
     let running = stoker_operator::start(client.clone(), config, shutdown.clone()).await?;

@@ -336,7 +336,14 @@ pub fn decide(
     }
     let busy_share = (!s.decoders.is_empty()).then(|| sum_busy / s.decoders.len() as f64);
     d.observed.decoder_busy_percent = busy_share.map(|b| b * 100.0);
-    let rate = d.learned.decoder_rate;
+    // A decoder behind a full NIC delivers what the NIC carries, not what its cores could:
+    // with decoders spread one per node, that is the node's link at the limit.
+    // Decoders that wait on their NIC are too idle to measure their own rate: the cap is it.
+    let rate = match (d.learned.decoder_rate, nic_rate_cap(policy, fleet, s)) {
+        (Some(r), Some(cap)) => Some(r.min(cap)),
+        (None, cap) => cap,
+        (r, None) => r,
+    };
     d.observed.decoder_samples_per_second = rate;
 
     let throttle_share = match (s.s3_throttles_per_second, s.s3_requests_per_second) {
@@ -575,6 +582,35 @@ fn nic_utilization(
     let nic = s.nodes.get(node)?;
     let link = link_of(policy, fleet, s, node)?;
     nic.utilization(link)
+}
+
+/// Samples per second one decoder can send through its node's NIC at `max_nic_utilization`:
+/// decoded bytes per sample as the decoder nodes' NICs carried them in the window, over the
+/// largest of their links (new decoders avoid the hot ones). `None` until decoder-only nodes
+/// have sent something.
+fn nic_rate_cap(policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals) -> Option<f64> {
+    let mut per_node: BTreeMap<&str, f64> = BTreeMap::new();
+    for (pod, node) in &fleet.pods {
+        if let Some(signal) = s.decoders.get(pod) {
+            *per_node.entry(node.as_str()).or_default() += signal.samples_per_second;
+        }
+    }
+    let (mut samples, mut sent, mut link) = (0.0, 0.0, 0.0_f64);
+    // A trainer's node also receives its own traffic: its bytes are not the decoders'.
+    for (node, node_samples) in per_node
+        .into_iter()
+        .filter(|(node, _)| !fleet.trainer_nodes.contains_key(*node))
+    {
+        let (Some(nic), Some(node_link)) = (s.nodes.get(node), link_of(policy, fleet, s, node))
+        else {
+            continue;
+        };
+        samples += node_samples;
+        sent += nic.transmit_bytes_per_second;
+        link = link.max(node_link);
+    }
+    (samples > 1.0 && sent > 0.0 && link > 0.0)
+        .then(|| link * policy.max_nic_utilization * samples / sent)
 }
 
 fn link_of(

@@ -95,8 +95,21 @@ impl AutoscalerHandle {
             signals.as_ref(),
             now,
         );
+        tracing::info!(
+            pipeline = %key,
+            from = decision.from,
+            to = decision.replicas,
+            moves = decision.move_pods.len(),
+            reason = %decision.reason,
+            "autoscaler decision"
+        );
         lock(&self.avoid).insert(key, decision.avoid_nodes.clone());
         Ok(Some(decision))
+    }
+
+    /// How often a pipeline is decided on.
+    pub fn period(&self) -> std::time::Duration {
+        self.settings.period
     }
 
     /// Nodes new decoders of `dp` must not land on, from the latest decision.

@@ -267,9 +267,18 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
             .unwrap_or_default();
         publish(ctx, &reference, reason, &message, kind).await;
     }
+    // An autoscaled pipeline is looked at again when its next decision is due.
+    let next_look = match &ctx.autoscaler {
+        Some(a) if dp.spec.autoscaling.mode != AutoscalingMode::Off => a.period().min(ctx.resync),
+        _ => ctx.resync,
+    };
     Ok(match plan.requeue_after {
-        Some(after) => Action::requeue(after.max(std::time::Duration::from_millis(200))),
-        None => Action::requeue(ctx.resync),
+        Some(after) => Action::requeue(
+            after
+                .max(std::time::Duration::from_millis(200))
+                .min(next_look),
+        ),
+        None => Action::requeue(next_look),
     })
 }
 

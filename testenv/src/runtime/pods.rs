@@ -700,11 +700,17 @@ fn mounts_of(c: &Container, volumes: &BTreeMap<String, PathBuf>) -> Vec<(String,
     mounts
 }
 
+/// The port named `metrics` (decoders) or `<prefix>-metrics` (the injected sidecar's
+/// `stoker-metrics`, prefixed so it never clashes with the trainer's own port names).
 fn metrics_port(c: &Container) -> u16 {
     c.ports
         .iter()
         .flatten()
-        .find(|p| p.name.as_deref() == Some("metrics"))
+        .find(|p| {
+            p.name
+                .as_deref()
+                .is_some_and(|n| n == "metrics" || n.ends_with("-metrics"))
+        })
         .and_then(|p| u16::try_from(p.container_port).ok())
         .unwrap_or(9090)
 }
