@@ -23,7 +23,8 @@ cargo build --workspace --all-targets --locked
 step "cargo test"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-cargo test --workspace --locked 2>&1 | tee "$log"
+# STOKER_PYTHON: the demo's simulated trainer and dataset generator run in the venv.
+STOKER_PYTHON="$venv/bin/python" cargo test --workspace --locked 2>&1 | tee "$log"
 # test result: ok. 6 passed; 0 failed; 0 ignored; ...
 read -r passed failed < <(awk '/^test result:/ {p += $4; f += $6} END {print p+0, f+0}' "$log")
 
