@@ -260,11 +260,12 @@ async fn story(
     }
 
     let settle_ticks = (opts.settle.as_secs() / 2).max(1) as usize;
+    // Ticks after the trainer finished (or before its first report) carry no report lines.
     let recent: Vec<&Tick> = watch
         .ticks
         .iter()
         .rev()
-        .filter(|t| t.phase == "pipeline")
+        .filter(|t| t.phase == "pipeline" && t.busy_pct + t.wait_pct > 0.0)
         .take(settle_ticks)
         .collect();
     let final_busy_pct = mean(recent.iter().map(|t| t.busy_pct));
