@@ -13,3 +13,25 @@ pub mod process;
 pub mod prometheus;
 pub mod runtime;
 pub mod s3;
+
+use std::time::{Duration, Instant};
+
+/// Polls `check` every 200 ms until it returns `Some`, and panics with `what` after `timeout`:
+/// how every end-to-end test waits for the cluster to converge.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -63,23 +63,7 @@ fn runtime() -> &'static NodeRuntime {
     })
 }
 
-async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
+use stoker_testenv::eventually;
 
 /// A plain HTTP/1.0 GET: (status, body).
 fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
