@@ -1,15 +1,18 @@
 //! The autoscaler in a closed loop with a simulated cluster: trainers with a step time and a
 //! batch size, decoders with a per-pod rate and a start-up delay, nodes with NIC capacity, an
 //! S3 request limit, and a Prometheus that answers rates over a window, late and noisy
-//! (seeded). Deterministic: one second per tick, one decision every 30 seconds.
+//! (seeded). Deterministic: one second per tick, one decision every 30 seconds. The same
+//! scenarios also run under a model of Kubernetes' HPA on the decoders' CPU, for comparison.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
+use stoker_operator::autoscale::policy::{Learned, ObservedSummary};
 use stoker_operator::autoscale::signals::gbps_to_bytes_per_second;
 use stoker_operator::autoscale::{
-    Autoscaler, AutoscalingPolicy, DecoderFleet, DecoderSignal, NodeNetwork, ScaleDecision, Signals,
+    Autoscaler, AutoscalingPolicy, DecoderFleet, DecoderSignal, NodeNetwork, ScaleConditions,
+    ScaleDecision, Signals,
 };
 
 /// 448×448 RGB crossing the network, and the JPEG it came from.
@@ -22,6 +25,12 @@ const PERIOD: u64 = 30;
 const DELAY: u64 = 10;
 const STARTUP: u64 = 10;
 const TRAINER_NODE: &str = "gpu-1";
+const HPA_SYNC: u64 = 15;
+const HPA_TARGET_UTILIZATION: f64 = 0.8;
+const HPA_TOLERANCE: f64 = 0.1;
+const HPA_SCALE_DOWN_WINDOW: u64 = 300;
+/// metrics-server's resolution: each pod's CPU rate is taken over this many seconds.
+const HPA_METRIC_WINDOW: u64 = 15;
 
 /// SplitMix64: a seeded, dependency-free source of measurement noise.
 struct Noise {
@@ -344,33 +353,174 @@ fn policy() -> AutoscalingPolicy {
     }
 }
 
+/// A world, how long it runs and what changes when: the same for every controller.
+struct Scenario {
+    name: &'static str,
+    world: World,
+    seconds: u64,
+    event: fn(u64, &mut World),
+    /// Whether some fleet can feed the trainers at all (a store that serves less than they
+    /// want cannot be decoded around).
+    feedable: bool,
+}
+
+/// Who sizes the decoder fleet.
+#[derive(Clone, Copy, Debug)]
+enum Controller {
+    Stoker,
+    Hpa,
+}
+
+/// Kubernetes' HorizontalPodAutoscaler (autoscaling/v2) on the decoders' CPU with
+/// `averageUtilization: 80` and the default behaviour, as documented in
+/// https://kubernetes.io/docs/tasks/run-application/horizontal-pod-autoscale/#algorithm-details
+/// (and kube-controller-manager's replica calculator): every 15 s,
+/// desired = ceil(ready pods × currentUtilization ÷ target), no change within a tolerance of
+/// 0.1; scale-up by at most max(100 %, 4 pods) per 15 s without stabilization; scale-down to
+/// the highest recommendation of the last 300 s, by at most 100 % per 15 s.
+#[derive(Default)]
+struct Hpa {
+    /// (time, recommendation) of the scale-down stabilization window.
+    recommendations: VecDeque<(u64, u32)>,
+}
+
+impl Hpa {
+    /// `utilization`: each pod's CPU usage ÷ request; `None` for a pod that is not ready or
+    /// whose sample began before it was (the HPA sets those aside, and counts them as 0 % when
+    /// scaling up).
+    fn decide(
+        &mut self,
+        now: u64,
+        current: u32,
+        utilization: &[Option<f64>],
+        policy: &AutoscalingPolicy,
+    ) -> ScaleDecision {
+        let ready: Vec<f64> = utilization.iter().flatten().copied().collect();
+        let usage: f64 = ready.iter().sum();
+        let average = usage / ready.len().max(1) as f64;
+        let ratio = average / HPA_TARGET_UTILIZATION;
+        let all = utilization.len() as f64;
+        let raw = if ready.is_empty() {
+            current
+        } else if ready.len() == utilization.len() || ratio <= 1.0 {
+            if (ratio - 1.0).abs() <= HPA_TOLERANCE {
+                current
+            } else {
+                (ratio * ready.len() as f64).ceil() as u32
+            }
+        } else {
+            // Scaling up with pods not yet ready: they count as idle; a ratio that falls back
+            // within the tolerance (or below 1) keeps the count.
+            let with_unready = usage / all / HPA_TARGET_UTILIZATION;
+            if with_unready <= 1.0 + HPA_TOLERANCE {
+                current
+            } else {
+                ((with_unready * all).ceil() as u32).max(current)
+            }
+        };
+        self.recommendations
+            .retain(|(t, _)| now - t < HPA_SCALE_DOWN_WINDOW);
+        self.recommendations.push_back((now, raw));
+        let highest = self
+            .recommendations
+            .iter()
+            .map(|(_, r)| *r)
+            .max()
+            .unwrap_or(raw);
+        // Up: a 0 s window, the recommendation itself; down: the window's highest.
+        let stabilized = current.clamp(raw, highest);
+        // Syncs are one 15 s policy period apart: the period starts at `current`.
+        let up_limit = (2 * current).max(current + 4);
+        let replicas = stabilized
+            .min(up_limit)
+            .clamp(policy.min_replicas, policy.max_replicas);
+        ScaleDecision {
+            from: current,
+            recommended: replicas,
+            replicas,
+            needed: None,
+            reason: format!(
+                "CPU {:.0}% of request on {} of {} pods (target {:.0}%) → {raw}, stabilized {stabilized}",
+                average * 100.0,
+                ready.len(),
+                utilization.len(),
+                HPA_TARGET_UTILIZATION * 100.0
+            ),
+            avoid_nodes: Vec::new(),
+            move_pods: Vec::new(),
+            local_decode_share: 0.0,
+            conditions: ScaleConditions::default(),
+            observed: ObservedSummary::default(),
+            learned: Learned::default(),
+        }
+    }
+}
+
 struct Run {
+    name: &'static str,
     world: World,
     decisions: Vec<(u64, ScaleDecision)>,
     policy: AutoscalingPolicy,
 }
 
-/// Runs `seconds` of the loop; `event` changes the world at given times.
-fn run(mut world: World, seconds: u64, event: impl Fn(u64, &mut World)) -> Run {
+/// Runs the scenario with `controller` sizing the fleet.
+fn run(controller: Controller, scenario: Scenario) -> Run {
+    let Scenario {
+        name,
+        mut world,
+        seconds,
+        event,
+        ..
+    } = scenario;
     let policy = policy();
     let mut autoscaler = Autoscaler::default();
+    let mut hpa = Hpa::default();
     let mut replicas = world.decoders.len() as u32;
     let mut decisions = Vec::new();
     let origin = Timestamp::from_second(1_800_000_000).expect("valid time");
+    let period = match controller {
+        Controller::Stoker => PERIOD,
+        Controller::Hpa => HPA_SYNC,
+    };
     for t in 0..seconds {
         event(t, &mut world);
-        if t > 0 && t % PERIOD == 0 {
-            let signals = world.measure(policy.window.as_secs());
-            let now = origin
-                .checked_add(Duration::from_secs(t))
-                .expect("valid time");
-            let d = autoscaler.step(
-                "training/sim",
-                &policy,
-                &world.fleet(replicas),
-                Some(&signals),
-                now,
-            );
+        if t > 0 && t % period == 0 {
+            let d = match controller {
+                Controller::Stoker => {
+                    let signals = world.measure(policy.window.as_secs());
+                    let now = origin
+                        .checked_add(Duration::from_secs(t))
+                        .expect("valid time");
+                    autoscaler.step(
+                        "training/sim",
+                        &policy,
+                        &world.fleet(replicas),
+                        Some(&signals),
+                        now,
+                    )
+                }
+                Controller::Hpa => {
+                    // Utilization is the busy share: decode work done ÷ what the requested cores
+                    // (request = limit) decode at full speed. A decoder waiting on its NIC idles.
+                    let signals = world.measure(HPA_METRIC_WINDOW);
+                    let sampled_until = t.saturating_sub(DELAY);
+                    let utilization: Vec<Option<f64>> = world
+                        .decoders
+                        .iter()
+                        .map(|d| {
+                            // The initial fleet ran before the scenario began.
+                            let settled =
+                                d.ready_at == 0 || d.ready_at + HPA_METRIC_WINDOW <= sampled_until;
+                            signals
+                                .decoders
+                                .get(&d.name)
+                                .filter(|_| settled)
+                                .map(|s| s.busy_share)
+                        })
+                        .collect();
+                    hpa.decide(t, replicas, &utilization, &policy)
+                }
+            };
             world.apply(&d);
             replicas = d.replicas;
             decisions.push((t, d));
@@ -378,6 +528,7 @@ fn run(mut world: World, seconds: u64, event: impl Fn(u64, &mut World)) -> Run {
         world.tick();
     }
     Run {
+        name,
         world,
         decisions,
         policy,
@@ -386,7 +537,8 @@ fn run(mut world: World, seconds: u64, event: impl Fn(u64, &mut World)) -> Run {
 
 impl Run {
     /// The checks every scenario must pass.
-    fn assert_sound(&self, name: &str, noise: f64) {
+    fn assert_sound(&self, noise: f64) {
+        let name = self.name;
         let p = &self.policy;
         let mut directions = Vec::new();
         for (t, d) in &self.decisions {
@@ -426,7 +578,8 @@ impl Run {
     }
 
     /// Data wait is at most the target from two decisions after `change` on, to `until`.
-    fn assert_fed_after(&self, name: &str, change: u64, until: u64) {
+    fn assert_fed_after(&self, change: u64, until: u64) {
+        let name = self.name;
         let second = self
             .decisions
             .iter()
@@ -462,44 +615,234 @@ impl Run {
             .last()
             .map_or(0, |(_, d)| d.replicas)
     }
+
+    /// The first second the trainers waited more than the target.
+    fn starved_at(&self) -> Option<u64> {
+        let target = self.policy.target_data_wait;
+        self.world
+            .ticks
+            .iter()
+            .position(|k| k.wait > target)
+            .map(|t| t as u64)
+    }
+
+    /// The second from which the trainers never again wait more than the target: 0 if they
+    /// never did, `None` if they still do in the run's last two periods.
+    fn fed_from(&self) -> Option<u64> {
+        let target = self.policy.target_data_wait;
+        let end = self.world.ticks.len() as u64;
+        let from = self
+            .world
+            .ticks
+            .iter()
+            .rposition(|k| k.wait > target)
+            .map_or(0, |t| t as u64 + 1);
+        (from + 2 * PERIOD <= end).then_some(from)
+    }
+
+    /// Decisions that changed something: the fleet's size, where its pods run, or how much
+    /// the sidecars decode themselves.
+    fn changes(&self) -> usize {
+        let mut local_share = 0.0;
+        let mut changes = 0;
+        for (_, d) in &self.decisions {
+            if d.replicas != d.from
+                || !d.move_pods.is_empty()
+                || d.local_decode_share != local_share
+            {
+                changes += 1;
+            }
+            local_share = d.local_decode_share;
+        }
+        changes
+    }
+
+    fn max_decoders(&self) -> u32 {
+        self.decisions
+            .iter()
+            .map(|(_, d)| d.replicas.max(d.from))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// "starved → fed" time, decisions, max decoders.
+    fn summary(&self) -> String {
+        let recovery = match (self.starved_at(), self.fed_from()) {
+            (None, _) => "not starved".to_string(),
+            (Some(_), None) => "never".to_string(),
+            (Some(starved), Some(fed)) => format!("{} s", fed - starved),
+        };
+        format!("{recovery} | {} | {}", self.changes(), self.max_decoders())
+    }
+}
+
+/// The scenarios, each once; tests run them with either controller.
+mod scenario {
+    use super::{Scenario, World, gbps_to_bytes_per_second};
+
+    pub(super) fn all() -> Vec<Scenario> {
+        vec![
+            fifteen_percent_start(),
+            demand_doubling(),
+            trainers_joining(),
+            decoder_nic_limit(),
+            trainer_nic_limit(),
+            s3_throttling(),
+            measurement_noise(),
+            trainers_leaving(),
+            starving_decoder_nic(),
+        ]
+    }
+
+    /// 8 trainers want 2,720 samples/s; 2 decoders give 420/s: GPUs busy 15% of the time.
+    pub(super) fn fifteen_percent_start() -> Scenario {
+        Scenario {
+            name: "15% start",
+            world: World::new(8, 34.0, 0.1, 2),
+            seconds: 900,
+            event: |_, _| {},
+            feedable: true,
+        }
+    }
+
+    pub(super) fn demand_doubling() -> Scenario {
+        Scenario {
+            name: "demand doubling",
+            world: World::new(8, 34.0, 0.2, 8),
+            seconds: 1500,
+            event: |t, w| {
+                if t == 600 {
+                    // The step time halves: each trainer wants twice the samples.
+                    w.per_trainer *= 2.0;
+                }
+            },
+            feedable: true,
+        }
+    }
+
+    pub(super) fn trainers_joining() -> Scenario {
+        Scenario {
+            name: "elastic trainers",
+            world: World::new(8, 34.0, 0.2, 8),
+            seconds: 1500,
+            event: |t, w| {
+                if t == 605 {
+                    w.trainers = 16;
+                }
+            },
+            feedable: true,
+        }
+    }
+
+    /// cpu-1 has a 2.5 Gb/s link: four decoders there would need 4 × 210 × 602 KB ≈ 4 Gb/s.
+    pub(super) fn decoder_nic_limit() -> Scenario {
+        let mut world = World::new(8, 30.0, 0.1, 14);
+        world
+            .cpu_nodes
+            .insert("cpu-1".to_string(), gbps_to_bytes_per_second(2.5));
+        Scenario {
+            name: "decoder NIC",
+            world,
+            seconds: 1200,
+            event: |_, _| {},
+            feedable: true,
+        }
+    }
+
+    /// 2,720 samples/s × 602 KB ≈ 13 Gb/s into a 10 Gb/s trainer NIC: decoders cannot help.
+    pub(super) fn trainer_nic_limit() -> Scenario {
+        let mut world = World::new(8, 34.0, 0.1, 16);
+        world.trainer_link = gbps_to_bytes_per_second(10.0);
+        Scenario {
+            name: "trainer NIC",
+            world,
+            seconds: 900,
+            event: |_, _| {},
+            feedable: true,
+        }
+    }
+
+    /// The store serves 1,500 of the 2,720 samples/s the trainers want.
+    pub(super) fn s3_throttling() -> Scenario {
+        let mut world = World::new(8, 34.0, 0.1, 2);
+        world.s3_limit = Some(1500.0);
+        Scenario {
+            name: "S3 throttling",
+            world,
+            seconds: 900,
+            event: |_, _| {},
+            feedable: false,
+        }
+    }
+
+    pub(super) fn measurement_noise() -> Scenario {
+        let mut world = World::new(8, 25.0, 0.1, 2);
+        world.noise.amplitude = 0.10;
+        Scenario {
+            name: "10% noise",
+            world,
+            seconds: 3600,
+            event: |_, _| {},
+            feedable: true,
+        }
+    }
+
+    /// 16 × 170/s needs 16 decoders; 8 trainers need 1,360 × 1.2 ÷ 210 → 8.
+    pub(super) fn trainers_leaving() -> Scenario {
+        Scenario {
+            name: "trainers leaving",
+            world: World::new(16, 34.0, 0.2, 16),
+            seconds: 1500,
+            event: |t, w| {
+                if t == 605 {
+                    w.trainers = 8;
+                }
+            },
+            feedable: true,
+        }
+    }
+
+    /// cpu-1's 0.75 Gb/s link carries only 156 samples/s: its 4 decoders deliver a quarter of
+    /// their rate and the trainers wait 6%. Adding decoders would not help; moving them does.
+    pub(super) fn starving_decoder_nic() -> Scenario {
+        let mut world = World::new(8, 30.0, 0.1, 14);
+        world
+            .cpu_nodes
+            .insert("cpu-1".to_string(), gbps_to_bytes_per_second(0.75));
+        Scenario {
+            name: "starving decoder NIC",
+            world,
+            seconds: 1200,
+            event: |_, _| {},
+            feedable: true,
+        }
+    }
 }
 
 #[test]
 fn from_fifteen_percent_gpu_utilization() {
-    // 8 trainers want 2,720 samples/s; 2 decoders give 420/s: GPUs busy 15% of the time.
-    let world = World::new(8, 34.0, 0.1, 2);
-    assert!((world.demand() - 2720.0).abs() < 1e-9);
-    let r = run(world, 900, |_, _| {});
-    r.assert_sound("15% start", 0.0);
-    r.assert_fed_after("15% start", 0, 900);
+    let s = scenario::fifteen_percent_start();
+    assert!((s.world.demand() - 2720.0).abs() < 1e-9);
+    let r = run(Controller::Stoker, s);
+    r.assert_sound(0.0);
+    r.assert_fed_after(0, 900);
     // 2,720 × 1.2 ÷ 210 = 15.5 → 16, reached in two steps of at most 8.
     assert_eq!(r.replicas_at(900), 16, "{:?}", r.trace());
 }
 
 #[test]
 fn demand_doubling_mid_run() {
-    let world = World::new(8, 34.0, 0.2, 8);
-    let r = run(world, 1500, |t, w| {
-        if t == 600 {
-            // The step time halves: each trainer wants twice the samples.
-            w.per_trainer *= 2.0;
-        }
-    });
-    r.assert_sound("demand doubling", 0.0);
-    r.assert_fed_after("demand doubling", 0, 600);
-    r.assert_fed_after("demand doubling", 600, 1500);
+    let r = run(Controller::Stoker, scenario::demand_doubling());
+    r.assert_sound(0.0);
+    r.assert_fed_after(0, 600);
+    r.assert_fed_after(600, 1500);
     assert!(r.replicas_at(1500) >= 14, "{:?}", r.trace());
 }
 
 #[test]
 fn elastic_trainers_are_followed_before_they_starve() {
-    let world = World::new(8, 34.0, 0.2, 8);
-    let r = run(world, 1500, |t, w| {
-        if t == 605 {
-            w.trainers = 16;
-        }
-    });
-    r.assert_sound("elastic trainers", 0.0);
+    let r = run(Controller::Stoker, scenario::trainers_joining());
+    r.assert_sound(0.0);
     let first = r
         .decisions
         .iter()
@@ -512,18 +855,13 @@ fn elastic_trainers_are_followed_before_they_starve() {
         first.reason
     );
     assert!(first.reason.contains("trainers 8 → 16"), "{}", first.reason);
-    r.assert_fed_after("elastic trainers", 605, 1500);
+    r.assert_fed_after(605, 1500);
 }
 
 #[test]
 fn one_decoder_node_nic_limits() {
-    let mut world = World::new(8, 30.0, 0.1, 14);
-    // cpu-1 has a 2.5 Gb/s link: four decoders there would need 4 × 210 × 602 KB ≈ 4 Gb/s.
-    world
-        .cpu_nodes
-        .insert("cpu-1".to_string(), gbps_to_bytes_per_second(2.5));
-    let r = run(world, 1200, |_, _| {});
-    r.assert_sound("decoder NIC", 0.0);
+    let r = run(Controller::Stoker, scenario::decoder_nic_limit());
+    r.assert_sound(0.0);
     let moved: BTreeSet<&str> = r
         .decisions
         .iter()
@@ -543,7 +881,7 @@ fn one_decoder_node_nic_limits() {
             .any(|(_, d)| d.avoid_nodes.contains(&"cpu-1".to_string())),
         "cpu-1 avoided"
     );
-    r.assert_fed_after("decoder NIC", 0, 1200);
+    r.assert_fed_after(0, 1200);
     let last = r.world.ticks.last().expect("ticks");
     let util = last.nics["cpu-1"].1 / gbps_to_bytes_per_second(2.5);
     assert!(
@@ -555,11 +893,8 @@ fn one_decoder_node_nic_limits() {
 
 #[test]
 fn trainer_node_nic_limits() {
-    // 2,720 samples/s × 602 KB ≈ 13 Gb/s into a 10 Gb/s trainer NIC: decoders cannot help.
-    let mut world = World::new(8, 34.0, 0.1, 16);
-    world.trainer_link = gbps_to_bytes_per_second(10.0);
-    let r = run(world, 900, |_, _| {});
-    r.assert_sound("trainer NIC", 0.0);
+    let r = run(Controller::Stoker, scenario::trainer_nic_limit());
+    r.assert_sound(0.0);
     let (_, first) = &r.decisions[0];
     assert_eq!(
         first.conditions.network_saturated,
@@ -578,15 +913,13 @@ fn trainer_node_nic_limits() {
         "decoders added although the trainer NIC limits: {:?}",
         r.trace()
     );
-    r.assert_fed_after("trainer NIC", 0, 900);
+    r.assert_fed_after(0, 900);
 }
 
 #[test]
 fn s3_throttling_stops_scale_up() {
-    let mut world = World::new(8, 34.0, 0.1, 2);
-    world.s3_limit = Some(1500.0);
-    let r = run(world, 900, |_, _| {});
-    r.assert_sound("S3 throttling", 0.0);
+    let r = run(Controller::Stoker, scenario::s3_throttling());
+    r.assert_sound(0.0);
     let throttled: Vec<&ScaleDecision> = r
         .decisions
         .iter()
@@ -607,11 +940,9 @@ fn s3_throttling_stops_scale_up() {
 
 #[test]
 fn ten_percent_measurement_noise() {
-    let mut world = World::new(8, 25.0, 0.1, 2);
-    world.noise.amplitude = 0.10;
-    let r = run(world, 3600, |_, _| {});
-    r.assert_sound("10% noise", 0.10);
-    r.assert_fed_after("10% noise", 0, 3600);
+    let r = run(Controller::Stoker, scenario::measurement_noise());
+    r.assert_sound(0.10);
+    r.assert_fed_after(0, 3600);
     let changes = r
         .decisions
         .iter()
@@ -626,30 +957,18 @@ fn ten_percent_measurement_noise() {
 
 #[test]
 fn elastic_trainers_leaving_release_decoders_without_the_window() {
-    let world = World::new(16, 34.0, 0.2, 16);
-    let r = run(world, 1500, |t, w| {
-        if t == 605 {
-            w.trainers = 8;
-        }
-    });
-    r.assert_sound("trainers leaving", 0.0);
-    // 16 × 170/s needs 16 decoders; 8 trainers need 1,360 × 1.2 ÷ 210 → 8, at once rather than
-    // after the 300 s scale-down window.
+    let r = run(Controller::Stoker, scenario::trainers_leaving());
+    r.assert_sound(0.0);
+    // 8 trainers need 8 decoders at once rather than after the 300 s scale-down window.
     assert_eq!(r.replicas_at(600), 16, "{:?}", r.trace());
     assert_eq!(r.replicas_at(660), 8, "{:?}", r.trace());
-    r.assert_fed_after("trainers leaving", 605, 1500);
+    r.assert_fed_after(605, 1500);
 }
 
 #[test]
 fn a_decoder_node_nic_that_starves_the_trainers() {
-    let mut world = World::new(8, 30.0, 0.1, 14);
-    // cpu-1's 0.75 Gb/s link carries only 156 samples/s: its 4 decoders deliver a quarter of
-    // their rate and the trainers wait 6%. Adding decoders would not help; moving them does.
-    world
-        .cpu_nodes
-        .insert("cpu-1".to_string(), gbps_to_bytes_per_second(0.75));
-    let r = run(world, 1200, |_, _| {});
-    r.assert_sound("starving decoder NIC", 0.0);
+    let r = run(Controller::Stoker, scenario::starving_decoder_nic());
+    r.assert_sound(0.0);
     let (_, first) = &r.decisions[0];
     assert!(first.conditions.starved, "{}", first.reason);
     assert_eq!(first.move_pods.len(), 1, "{}", first.reason);
@@ -658,7 +977,7 @@ fn a_decoder_node_nic_that_starves_the_trainers() {
         "moves, not more decoders: {}",
         first.reason
     );
-    r.assert_fed_after("starving decoder NIC", 0, 1200);
+    r.assert_fed_after(0, 1200);
     // Moves off one node wait until the window shows the last one.
     let moves: Vec<u64> = r
         .decisions
@@ -672,4 +991,40 @@ fn a_decoder_node_nic_that_starves_the_trainers() {
             "moves at {moves:?}"
         );
     }
+}
+
+/// Every scenario under stoker and under the HPA a user would otherwise configure; prints the
+/// table the README quotes (`-- --nocapture`).
+#[test]
+fn stoker_and_hpa_side_by_side() {
+    let mut table = vec![
+        "| scenario | stoker: starved → fed | decisions | max decoders | HPA: starved → fed | decisions | max decoders |".to_string(),
+        "|---|---:|---:|---:|---:|---:|---:|".to_string(),
+    ];
+    let mut findings = Vec::new();
+    for (for_stoker, for_hpa) in scenario::all().into_iter().zip(scenario::all()) {
+        let (name, feedable) = (for_stoker.name, for_stoker.feedable);
+        let stoker = run(Controller::Stoker, for_stoker);
+        let hpa = run(Controller::Hpa, for_hpa);
+        table.push(format!(
+            "| {name} | {} | {} |",
+            stoker.summary(),
+            hpa.summary()
+        ));
+        match (stoker.fed_from(), hpa.fed_from()) {
+            (None, _) if feedable => {
+                findings.push(format!("{name}: stoker never feeds the trainers"))
+            }
+            (None, Some(h)) => {
+                findings.push(format!("{name}: the HPA feeds from {h} s, stoker never"))
+            }
+            (Some(s), Some(h)) if s > h => findings.push(format!(
+                "{name}: stoker feeds from {s} s, the HPA from {h} s"
+            )),
+            _ => {}
+        }
+    }
+    let table = table.join("\n");
+    println!("{table}");
+    assert!(findings.is_empty(), "{findings:?}\n{table}");
 }
