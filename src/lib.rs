@@ -99,7 +99,9 @@ pub async fn start(
     let autoscaler = config
         .autoscaler
         .clone()
-        .map(controller::autoscaling::AutoscalerHandle::new)
+        .map(|settings| {
+            controller::autoscaling::AutoscalerHandle::new(settings, metrics.autoscaler.clone())
+        })
         .transpose()
         .map_err(RunError::Autoscaler)?;
     let ctx = Arc::new(

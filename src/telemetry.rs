@@ -16,6 +16,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+use crate::autoscale::metrics::AutoscalerMetrics;
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CategoryLabel {
     category: String,
@@ -44,6 +46,8 @@ pub struct Metrics {
     webhook: Family<ResultLabel, Counter>,
     leader: Gauge,
     ready: AtomicBool,
+    /// Every input signal and decision of the autoscaler, under `stoker_autoscaler_`.
+    pub autoscaler: AutoscalerMetrics,
 }
 
 impl Default for Metrics {
@@ -81,6 +85,7 @@ impl Default for Metrics {
             "1 while this replica runs the controller",
             leader.clone(),
         );
+        let autoscaler = AutoscalerMetrics::register(&mut registry);
         Self {
             registry,
             reconciles,
@@ -90,6 +95,7 @@ impl Default for Metrics {
             webhook,
             leader,
             ready: AtomicBool::new(false),
+            autoscaler,
         }
     }
 }
@@ -200,4 +206,38 @@ pub fn init_logging(json: bool) {
     } else {
         builder.try_init()
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::jiff::Timestamp;
+
+    use super::*;
+    use crate::autoscale::policy::{AutoscalingPolicy, DecoderFleet, ScaleHistory, decide};
+
+    #[test]
+    fn the_operator_endpoint_shows_the_autoscaler_decisions() {
+        let metrics = Metrics::default();
+        let fleet = DecoderFleet {
+            replicas: 3,
+            trainers: 1,
+            ..DecoderFleet::default()
+        };
+        let d = decide(
+            &AutoscalingPolicy::default(),
+            &fleet,
+            None,
+            &ScaleHistory::default(),
+            Timestamp::UNIX_EPOCH,
+        );
+        metrics.autoscaler.record("training", "qwen", &d);
+        let text = metrics.encode();
+        assert!(
+            text.contains(
+                r#"stoker_autoscaler_current_decoders{namespace="training",pipeline="qwen"} 3"#
+            ),
+            "{text}"
+        );
+        assert!(text.contains(r#"stoker_autoscaler_condition{namespace="training",pipeline="qwen",condition="MetricsUnavailable"} 1"#), "{text}");
+    }
 }

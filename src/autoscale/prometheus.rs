@@ -168,13 +168,7 @@ impl PrometheusSignals {
         templates: QueryTemplates,
         timeout: Duration,
     ) -> Result<Self, SignalError> {
-        // reqwest is built without its own crypto provider; the operator uses ring. Installing
-        // fails harmlessly when a provider is already in place.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let http = reqwest::Client::builder()
-            .timeout(timeout)
-            .build()
-            .map_err(|e| SignalError::Client(e.to_string()))?;
+        let http = http_client(timeout).map_err(|e| SignalError::Client(e.to_string()))?;
         let client = Client::from(http, url).map_err(|source| SignalError::Url {
             url: url.to_string(),
             source,
@@ -298,6 +292,14 @@ fn by_label<'a>(series: &'a [Series], label: &'a str) -> impl Iterator<Item = (S
         .iter()
         .filter(|(_, v)| v.is_finite())
         .filter_map(move |(labels, v)| labels.get(label).map(|l| (l.clone(), *v)))
+}
+
+/// An HTTP client whose every request gives up after `timeout`.
+pub fn http_client(timeout: Duration) -> reqwest::Result<reqwest::Client> {
+    // reqwest is built without its own crypto provider; the operator uses ring. Installing
+    // fails harmlessly when a provider is already in place.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder().timeout(timeout).build()
 }
 
 /// Fills a template's placeholders.

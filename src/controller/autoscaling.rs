@@ -10,9 +10,12 @@ use kube::Client;
 use kube::api::{Api, ListParams};
 
 use super::Error;
+use super::local_share::LocalShareSender;
 use super::reconcile::Observed;
 use super::trainers;
 use crate::api::DataPipeline;
+use crate::api::v1alpha1::AutoscalingMode;
+use crate::autoscale::metrics::AutoscalerMetrics;
 use crate::autoscale::prometheus::{PrometheusSignals, SignalError};
 use crate::autoscale::{Autoscaler, AutoscalerSettings, DecoderFleet, ScaleDecision, pipeline_key};
 
@@ -23,15 +26,22 @@ pub struct AutoscalerHandle {
     state: Mutex<Autoscaler>,
     /// Per pipeline, the nodes the last decision keeps new decoders off.
     avoid: Mutex<BTreeMap<String, Vec<String>>>,
+    metrics: AutoscalerMetrics,
+    local_share: LocalShareSender,
 }
 
 impl AutoscalerHandle {
-    pub fn new(settings: AutoscalerSettings) -> Result<Self, SignalError> {
+    pub fn new(
+        settings: AutoscalerSettings,
+        metrics: AutoscalerMetrics,
+    ) -> Result<Self, SignalError> {
         Ok(Self {
             reader: settings.reader()?,
             settings,
             state: Mutex::new(Autoscaler::default()),
             avoid: Mutex::new(BTreeMap::new()),
+            metrics,
+            local_share: LocalShareSender::new().map_err(|e| SignalError::Client(e.to_string()))?,
         })
     }
 
@@ -83,6 +93,7 @@ impl AutoscalerHandle {
                 Ok(signals) => Some(signals),
                 Err(e) => {
                     tracing::warn!(pipeline = %key, error = %e, category = e.category(), "autoscaler signals unavailable");
+                    self.metrics.signal_error(e.category());
                     None
                 }
             },
@@ -103,6 +114,13 @@ impl AutoscalerHandle {
             reason = %decision.reason,
             "autoscaler decision"
         );
+        self.metrics.record(&namespace, &name, &decision);
+        // In recommend mode the decision is recorded, never acted on.
+        if dp.spec.autoscaling.mode == AutoscalingMode::Auto {
+            self.local_share
+                .send(&key, &observed.trainers, decision.local_decode_share)
+                .await;
+        }
         lock(&self.avoid).insert(key, decision.avoid_nodes.clone());
         Ok(Some(decision))
     }
@@ -124,6 +142,11 @@ impl AutoscalerHandle {
         let key = pipeline_key(dp);
         lock(&self.state).forget(&key);
         lock(&self.avoid).remove(&key);
+        self.local_share.forget(&key);
+        self.metrics.forget(
+            dp.metadata.namespace.as_deref().unwrap_or_default(),
+            dp.metadata.name.as_deref().unwrap_or_default(),
+        );
     }
 }
 

@@ -6,6 +6,7 @@ pub mod autoscaling;
 pub mod build;
 mod error;
 pub mod fleet;
+pub mod local_share;
 pub mod reconcile;
 pub mod status;
 pub mod trainers;
