@@ -21,7 +21,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
@@ -39,7 +39,8 @@ pub struct Context {
     pub client: Client,
     pub defaults: BuildDefaults,
     pub metrics: Arc<Metrics>,
-    pub recorder: Recorder,
+    /// Who publishes the Events (see `reconcile::publish` for why there is no shared Recorder).
+    pub reporter: Reporter,
     /// How often a settled pipeline is looked at again.
     pub resync: Duration,
     /// `None`: no autoscaling; pipelines in `auto` mode run `decoders.minReplicas`.
@@ -48,18 +49,14 @@ pub struct Context {
 
 impl Context {
     pub fn new(client: Client, defaults: BuildDefaults, metrics: Arc<Metrics>) -> Self {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: FIELD_MANAGER.into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        );
         Self {
             client,
             defaults,
             metrics,
-            recorder,
+            reporter: Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
             resync: Duration::from_secs(300),
             autoscaler: None,
         }

@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Resource, ResourceExt};
 
 use super::build::{config_map, decoder_pod, network_policy, service, sidecar_rbac};
@@ -304,7 +304,11 @@ async fn publish(
         action: "Reconcile".to_string(),
         secondary: None,
     };
-    if let Err(e) = ctx.recorder.publish(&event, reference).await {
+    // A Recorder folds an Event into an earlier one with the same reason and object (an
+    // events.k8s.io series) and keeps the earlier note: "no trainers: 1 decoders" would stand
+    // for every later decision. Events come on transitions only, so each gets its own.
+    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+    if let Err(e) = recorder.publish(&event, reference).await {
         tracing::debug!(error = %e, "event not published");
     }
 }
