@@ -1,17 +1,18 @@
-//! The autoscaler's query layer against a real Prometheus server: a tiny exporter in the test
-//! serves the sidecar, loader and node-exporter series with counters growing at known rates,
-//! Prometheus scrapes it every second, and `PrometheusSignals::read` must return those rates.
+//! The autoscaler's query layer against a real Prometheus server: the test exporter
+//! (`operator_support::exporter`) serves the sidecar, loader and node-exporter series with
+//! counters growing at known rates, Prometheus scrapes it every second, and
+//! `PrometheusSignals::read` must return those rates.
 //!
 //! Needs the `prometheus` binary (Debian's package; `scripts/deps.sh` installs it), or its
-//! path in `STOKER_PROMETHEUS`.
+//! path in `STOKER_PROMETHEUS_BIN`.
 
-use std::net::{SocketAddr, TcpListener as StdListener};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+mod operator_support;
+
+use std::net::TcpListener as StdListener;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::jiff::Timestamp;
+use operator_support::exporter::{Exporter, ScrapedExporter};
 use stoker_operator::autoscale::prometheus::{PrometheusSignals, QueryTemplates, SignalScope};
 use stoker_operator::autoscale::{Autoscaler, AutoscalingPolicy, DecoderFleet, Signals};
 
@@ -36,7 +37,7 @@ fn series(name: &'static str, labels: &str, per_second: f64) -> Series {
 }
 
 fn pod_labels(pipeline: &str, pod: &str, role: &str) -> String {
-    format!(r#"namespace="{NS}",pipeline="{pipeline}",pod="{pod}",role="{role}""#)
+    operator_support::exporter::pod_labels(NS, pipeline, pod, role)
 }
 
 /// What the exporter serves: two trainers, two decoders of the pipeline, one decoder of another
@@ -125,98 +126,21 @@ fn exposition() -> (Vec<Series>, Vec<(&'static str, String, f64)>) {
     (counters, gauges)
 }
 
-/// The text format, counters at `per_second × seconds since start`.
-fn render(start: Instant) -> String {
-    let elapsed = start.elapsed().as_secs_f64();
+/// Sets every series on the exporter, counters growing from now.
+fn drive(exporter: &Exporter) {
     let (counters, gauges) = exposition();
-    let mut out = String::new();
-    let mut typed = std::collections::BTreeSet::new();
     for s in counters {
-        if typed.insert(s.name) {
-            out.push_str(&format!("# TYPE {} counter\n", s.name));
-        }
-        out.push_str(&format!(
-            "{}{{{}}} {}\n",
-            s.name,
-            s.labels,
-            s.per_second * elapsed
-        ));
+        exporter.counter(s.name, &s.labels, s.per_second);
     }
     for (name, labels, value) in gauges {
-        if typed.insert(name) {
-            out.push_str(&format!("# TYPE {name} gauge\n"));
-        }
-        out.push_str(&format!("{name}{{{labels}}} {value}\n"));
+        exporter.gauge(name, &labels, value);
     }
-    out
-}
-
-async fn serve_exporter() -> SocketAddr {
-    let start = Arc::new(Instant::now());
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let start = start.clone();
-            async move { render(*start) }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind exporter");
-    let addr = listener.local_addr().expect("exporter address");
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    addr
 }
 
 /// Successful scrapes of the exporter in the last 8 seconds: 8 means the 5 s window and the
 /// scrape that lags behind it hold only real samples.
-async fn scraped_seconds(url: &str) -> f64 {
-    let Ok(client) = prometheus_http_query::Client::try_from(url) else {
-        return 0.0;
-    };
-    let Ok(result) = client.query("sum_over_time(up[8s])").get().await else {
-        return 0.0;
-    };
-    result
-        .data()
-        .as_vector()
-        .and_then(|v| v.first())
-        .map_or(0.0, |s| s.sample().value())
-}
-
-/// A Prometheus process, killed (and its data removed) on drop.
-struct Prometheus {
-    child: Child,
-    dir: PathBuf,
-    url: String,
-}
-
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn prometheus_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("STOKER_PROMETHEUS") {
-        return PathBuf::from(p);
-    }
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("prometheus"))
-            .find(|p| p.is_file())
-    });
-    match found {
-        Some(p) => p,
-        None => panic!(
-            "the `prometheus` binary is not on PATH: run scripts/deps.sh (installs Debian's \
-             prometheus package without starting its service) or set STOKER_PROMETHEUS"
-        ),
-    }
+async fn scraped_seconds(scraped: &ScrapedExporter) -> f64 {
+    scraped.value("sum_over_time(up[8s])").await.unwrap_or(0.0)
 }
 
 fn free_port() -> u16 {
@@ -224,38 +148,6 @@ fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port")
-}
-
-fn start_prometheus(target: SocketAddr) -> Prometheus {
-    let binary = prometheus_binary();
-    let dir = std::env::temp_dir().join(format!("stoker-prometheus-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("create the Prometheus directory");
-    // honor_labels: the exporter stands in for many pods and names them itself, as relabelling
-    // from Kubernetes discovery would.
-    let config = format!(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: stoker\n    honor_labels: true\n    scrape_interval: 1s\n    static_configs:\n      - targets: ['{target}']\n"
-    );
-    let config_path = dir.join("prometheus.yml");
-    std::fs::write(&config_path, config).expect("write the Prometheus config");
-    let port = free_port();
-    let log = std::fs::File::create(dir.join("prometheus.log")).expect("log file");
-    let child = Command::new(&binary)
-        .arg(format!("--config.file={}", config_path.display()))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            dir.join("data").display()
-        ))
-        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(log))
-        .spawn()
-        .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
-    Prometheus {
-        child,
-        dir,
-        url: format!("http://127.0.0.1:{port}"),
-    }
 }
 
 fn close(actual: Option<f64>, expected: f64, what: &str) {
@@ -279,10 +171,10 @@ fn complete(s: &Signals) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn signals_from_a_real_prometheus() {
-    let exporter = serve_exporter().await;
-    let prometheus = start_prometheus(exporter);
+    let scraped = ScrapedExporter::start().await;
+    drive(&scraped.exporter);
     let reader = PrometheusSignals::new(
-        &prometheus.url,
+        &scraped.prometheus.url(),
         QueryTemplates::default(),
         Duration::from_secs(2),
     )
@@ -300,13 +192,12 @@ async fn signals_from_a_real_prometheus() {
     let signals = loop {
         match reader.read(&scope).await {
             // rate() divides by the whole window: it must hold only scraped samples.
-            Ok(s) if complete(&s) && scraped_seconds(&prometheus.url).await >= 8.0 => {
+            Ok(s) if complete(&s) && scraped_seconds(&scraped).await >= 8.0 => {
                 break s;
             }
             last => {
                 if Instant::now() > deadline {
-                    let log = std::fs::read_to_string(prometheus.dir.join("prometheus.log"))
-                        .unwrap_or_default();
+                    let log = scraped.prometheus.log_tail(30);
                     panic!("no complete signals within 25 s: {last:?}\nPrometheus log:\n{log}");
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;

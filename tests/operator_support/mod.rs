@@ -1,5 +1,8 @@
-//! Support for the operator's end-to-end tests: CRD install, an in-process operator, polling.
+//! Support for the operator's end-to-end tests: CRD install, an in-process operator, polling,
+//! and a metrics exporter the tests drive, scraped by a real Prometheus ([`exporter`]).
 #![allow(dead_code)]
+
+pub mod exporter;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
