@@ -2,9 +2,9 @@
 //! trainer node's own NIC is the bottleneck, more decoders cannot help, and the sidecars decode
 //! that share of the batches themselves (`PUT /local-share` on the sidecar's metrics port).
 //!
-//! A sidecar is sent the share once per change, and once when it is first seen (a new or
-//! restarted trainer starts at the share its flags gave it); a failed send is retried at the
-//! next decision.
+//! A sidecar is sent the share once per change; one not seen before is taken to be at the
+//! share injection starts it with (0: every batch to the decoders), so pods are only dialled
+//! when there is something to change. A failed send is retried at the next decision.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -15,6 +15,9 @@ use kube::ResourceExt;
 
 use crate::autoscale::prometheus::http_client;
 use crate::webhook::inject::{SIDECAR_HEALTH_PORT, SIDECAR_NAME};
+
+/// The share an injected sidecar starts with (the webhook passes no `--local-share`).
+const STARTING_SHARE: f64 = 0.0;
 
 /// How long one sidecar may take to answer; a hung one is retried at the next decision.
 const SEND_TIMEOUT: Duration = Duration::from_secs(2);
@@ -55,7 +58,7 @@ impl LocalShareSender {
             acked.retain(|uid, _| sidecars.iter().any(|s| &s.uid == uid));
             sidecars
                 .into_iter()
-                .filter(|s| acked.get(&s.uid) != Some(&share))
+                .filter(|s| acked.get(&s.uid).copied().unwrap_or(STARTING_SHARE) != share)
                 .collect()
         };
         let sends = pending.iter().map(|s| self.put(s, share));
@@ -217,5 +220,13 @@ mod tests {
         // A pod that is gone is forgotten.
         assert_eq!(sender.send("ns/p", &pods[1..], 0.5).await, 0);
         assert!(lock(&sender.acknowledged)["ns/p"].is_empty());
+        // New sidecars already decode nothing locally: a share of 0 dials nobody.
+        let fresh = [trainer("new", "127.0.0.1", "Running", true)];
+        assert_eq!(sender.send("ns/q", &fresh, 0.0).await, 0);
+        assert_eq!(
+            bodies.lock().unwrap().len(),
+            2,
+            "no request for an unchanged share"
+        );
     }
 }
