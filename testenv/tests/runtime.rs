@@ -584,3 +584,54 @@ async fn e_a_container_that_exits_is_restarted_with_backoff() {
         .await
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f_a_native_sidecar_ends_with_the_regular_containers() {
+    let rt = runtime();
+    let ns = ControlPlane::shared().namespace("rt-sidecar").await;
+    let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    // As the webhook injects the loader: an init container with restartPolicy Always that
+    // never exits on its own, beside a job that does (and a pod policy of Never).
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "job"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": "cpu-7"},
+            "restartPolicy": "Never",
+            "initContainers": [{"name": "side", "image": HOST_IMAGE, "restartPolicy": "Always",
+                                "command": ["sh", "-c", "trap 'echo bye; exit 0' TERM; echo up; while :; do sleep 0.1; done"]}],
+            "containers": [{"name": "main", "image": HOST_IMAGE,
+                            "command": ["sh", "-c", "sleep 1; echo done"]}],
+        }
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    let pod = eventually(
+        "the pod to succeed once its job ends",
+        Duration::from_secs(60),
+        || async {
+            let pod = pods.get("job").await.ok()?;
+            (pod.status.as_ref()?.phase.as_deref() == Some("Succeeded")).then_some(pod)
+        },
+    )
+    .await;
+    assert!(rt.container_log(&ns.name, "job", "main").contains("done"));
+    assert!(
+        rt.container_log(&ns.name, "job", "side").contains("bye"),
+        "the sidecar was sent SIGTERM"
+    );
+    let side = &pod
+        .status
+        .as_ref()
+        .unwrap()
+        .init_container_statuses
+        .as_ref()
+        .unwrap()[0];
+    assert!(
+        side.state
+            .as_ref()
+            .and_then(|s| s.terminated.as_ref())
+            .is_some(),
+        "the sidecar shows as terminated: {side:?}"
+    );
+    pods.delete("job", &DeleteParams::default()).await.unwrap();
+}

@@ -166,6 +166,13 @@ impl NodeRuntime {
         if unsafe { libc::geteuid() } != 0 {
             bail!("the node runtime needs root (network namespaces, tc)");
         }
+        // Without it every loader pod would fail to start, and a story would only time out.
+        if !options.loader_bin.is_file() {
+            bail!(
+                "{} does not exist: build it first (cargo build -p stoker-loader) or set STOKER_LOADER_BIN",
+                options.loader_bin.display()
+            );
+        }
         let sims = cp.nodes().to_vec();
         if sims.len() > net::MAX_NODES {
             bail!(

@@ -13,8 +13,10 @@
 //!
 //! Pod status follows the processes: restart counts, the last exit code, Ready from the
 //! process being up and its HTTP readiness probe (if any) passing, and Succeeded/Failed once
-//! every process of a pod that does not restart has ended. Not run: ordinary init containers
-//! (only native sidecars, `restartPolicy: Always`), exec/TCP and startup/liveness probes,
+//! every process of a pod that does not restart has ended. Native sidecars (init containers
+//! with `restartPolicy: Always`) run beside the containers and, as the kubelet does, are sent
+//! SIGTERM once every regular container has ended; the phase then follows the regular
+//! containers' exit codes. Not run: ordinary init containers, exec/TCP and startup/liveness probes,
 //! resource limits. A stopped pod's address stays on `eth0` until the runtime stops (KWOK may
 //! give it to the next pod of the node, which then reuses it).
 
@@ -115,6 +117,10 @@ struct ContainerRun {
     args: Vec<String>,
     env: Vec<(String, String)>,
     loader: bool,
+    /// A native sidecar: restarts whatever the pod's policy, ends with the regular containers.
+    sidecar: bool,
+    /// SIGTERM sent because the regular containers ended: its exit is final.
+    stopping: bool,
     metrics_port: u16,
     readiness: Option<Readiness>,
     process: Option<Component>,
@@ -131,6 +137,7 @@ struct ContainerRun {
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct ContainerReport {
     name: String,
+    sidecar: bool,
     restarts: u32,
     running: bool,
     ready: bool,
@@ -190,7 +197,8 @@ impl PodRun {
             .flatten()
             .filter(|c| c.restart_policy.as_deref() == Some("Always"));
         let mut runnable = Vec::new();
-        for c in sidecars.chain(spec.containers.iter()) {
+        let regular = spec.containers.iter().map(|c| (c, false));
+        for (c, sidecar) in sidecars.map(|c| (c, true)).chain(regular) {
             let image = c.image.clone().unwrap_or_default();
             let loader = glob_match(&launch.loader_image, &image);
             let mut command: Vec<String> = if loader {
@@ -210,12 +218,12 @@ impl PodRun {
                 tracing::warn!(pod = %name, container = %c.name, "empty command; not run");
                 continue;
             }
-            runnable.push((c, loader, command));
+            runnable.push((c, sidecar, loader, command));
         }
         // Only what the runnable containers mount (pods of other images cost nothing).
         let mounted: std::collections::BTreeSet<&str> = runnable
             .iter()
-            .flat_map(|(c, _, _)| c.volume_mounts.iter().flatten())
+            .flat_map(|(c, _, _, _)| c.volume_mounts.iter().flatten())
             .map(|m| m.name.as_str())
             .collect();
         let pod_dir = format!("{namespace}_{name}_{}", &uid[..uid.len().min(8)]);
@@ -281,7 +289,7 @@ impl PodRun {
         }
 
         let mut containers = Vec::new();
-        for (c, loader, command) in runnable {
+        for (c, sidecar, loader, command) in runnable {
             let mounts = mounts_of(c, &volumes);
             let metrics_port = metrics_port(c);
             let readiness = Readiness::of(c);
@@ -315,6 +323,8 @@ impl PodRun {
                 args: command.collect(),
                 env,
                 loader,
+                sidecar,
+                stopping: false,
                 metrics_port,
                 readiness,
                 process: None,
@@ -358,8 +368,21 @@ impl PodRun {
     /// the pod's restart policy.
     pub fn supervise(&mut self, netns: &NetNode, launch: &Launch) {
         let now = Instant::now();
+        let regular_ended = self.containers.iter().any(|c| !c.sidecar)
+            && self.containers.iter().all(|c| c.sidecar || c.finished);
         for c in &mut self.containers {
             if c.finished {
+                continue;
+            }
+            if regular_ended && !c.stopping {
+                c.stopping = true;
+                match &c.process {
+                    // SAFETY: kill(2) on a process this runtime started.
+                    Some(p) => unsafe {
+                        libc::kill(p.pid() as libc::pid_t, libc::SIGTERM);
+                    },
+                    None => c.finished = true,
+                }
                 continue;
             }
             if let Some(p) = &mut c.process {
@@ -379,6 +402,8 @@ impl PodRun {
                         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)),
                 );
                 let restart = match self.restart_policy.as_str() {
+                    _ if c.stopping => false,
+                    _ if c.sidecar => true,
                     "Never" => false,
                     "OnFailure" => !status.success(),
                     _ => true,
@@ -438,6 +463,7 @@ impl PodRun {
             .iter()
             .map(|c| ContainerReport {
                 name: c.name.clone(),
+                sidecar: c.sidecar,
                 restarts: c.restarts,
                 running: c.process.is_some(),
                 ready: c.process.is_some() && c.readiness.as_ref().is_none_or(Readiness::ok),
@@ -503,7 +529,11 @@ impl PodRun {
             "initContainerStatuses": update(&status.init_container_statuses),
         }});
         if !report.is_empty() && report.iter().all(|r| r.finished) {
-            let ok = report.iter().all(|r| r.last_exit == Some(0));
+            // Sidecars end by SIGTERM; the pod's outcome is its regular containers'.
+            let ok = report
+                .iter()
+                .filter(|r| !r.sidecar)
+                .all(|r| r.last_exit == Some(0));
             patch["status"]["phase"] = if ok { "Succeeded" } else { "Failed" }.into();
         }
         Some(patch)
