@@ -57,7 +57,7 @@ pub struct StoryOptions {
     pub max_decoders: u32,
     /// Epochs the trainer runs in phase (b); 0 until the story ends.
     pub epochs: u32,
-    /// Kill one decoder pod this long into phase (b).
+    /// Kill one decoder pod this long into phase (b), or later once two serve.
     pub kill_decoder_after: Option<Duration>,
     /// Reports, delivered-key logs.
     pub work_dir: PathBuf,
@@ -233,9 +233,11 @@ async fn story(
             decisions.push(decision);
         }
 
+        // The victim is one of several, so its batches are re-sent to the others.
         if let Some(after) = opts.kill_decoder_after
             && killed_decoder.is_none()
             && pipeline_created.elapsed() >= after
+            && decoders.len() >= 2
             && let Some(victim) = decoders.first()
         {
             let name = victim.name_any();

@@ -1,5 +1,5 @@
 //! The story end to end, shortened: a synchronous trainer, then a DataPipeline whose autoscaler
-//! spreads decoders over NIC-limited nodes, one decoder killed midway, three whole epochs.
+//! spreads decoders over NIC-limited nodes, one decoder killed once two serve, thirty whole epochs.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -12,7 +12,8 @@ use stoker_testenv::s3::S3ServerConfig;
 
 const IMAGES: usize = 96;
 const BATCH: usize = 16;
-const EPOCHS: u32 = 3;
+/// Enough epochs for the trainer to outlast the scale-up and then run fed for a while.
+const EPOCHS: u32 = 30;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
