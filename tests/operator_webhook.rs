@@ -17,31 +17,6 @@ use stoker_operator::webhook::inject::InjectConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
 use stoker_testenv::cluster::ControlPlane;
 
-fn webhook_configuration(name: &str, namespace: &str, url: &str) -> MutatingWebhookConfiguration {
-    serde_json::from_value(json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "MutatingWebhookConfiguration",
-        "metadata": {"name": name},
-        "webhooks": [{
-            "name": "inject.stoker.dev",
-            "admissionReviewVersions": ["v1"],
-            "sideEffects": "None",
-            "failurePolicy": "Fail",
-            "reinvocationPolicy": "IfNeeded",
-            "timeoutSeconds": 10,
-            "clientConfig": {"url": url},
-            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
-                       "resources": ["pods"], "scope": "Namespaced"}],
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
-            "objectSelector": {"matchExpressions": [
-                {"key": "stoker.dev/pipeline", "operator": "Exists"},
-                {"key": "stoker.dev/role", "operator": "NotIn", "values": ["decoder"]}
-            ]}
-        }]
-    }))
-    .expect("webhook configuration")
-}
-
 fn trainer(name: &str, pipeline: Option<&str>) -> Pod {
     let labels = match pipeline {
         Some(p) => json!({"stoker.dev/pipeline": p, "app": "trainer"}),
@@ -109,7 +84,11 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ns.client.clone());
     mwcs.create(
         &PostParams::default(),
-        &webhook_configuration(&mwc_name, &ns.name, "https://127.0.0.1:1/mutate"),
+        &stoker_operator::webhook::url_configuration(
+            &mwc_name,
+            &ns.name,
+            "https://127.0.0.1:1/mutate",
+        ),
     )
     .await
     .expect("create webhook configuration");
@@ -292,7 +271,11 @@ async fn a_certificate_near_expiry_is_renewed_with_the_same_ca() {
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ns.client.clone());
     mwcs.create(
         &PostParams::default(),
-        &webhook_configuration(&mwc_name, &ns.name, "https://127.0.0.1:1/mutate"),
+        &stoker_operator::webhook::url_configuration(
+            &mwc_name,
+            &ns.name,
+            "https://127.0.0.1:1/mutate",
+        ),
     )
     .await
     .expect("create webhook configuration");

@@ -71,7 +71,7 @@ impl Default for StoryOptions {
             recover_timeout: Duration::from_secs(240),
             settle: Duration::from_secs(20),
             fed_busy_pct: 85.0,
-            step_ms: 160,
+            step_ms: 130,
             batch_size: 16,
             image_size: 224,
             max_decoders: 8,
@@ -480,7 +480,11 @@ async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<Cancellati
     let _ = mwcs.delete(mwc_name, &DeleteParams::default()).await;
     mwcs.create(
         &PostParams::default(),
-        &webhook_configuration(mwc_name, "https://127.0.0.1:1/mutate")?,
+        &stoker_operator::webhook::url_configuration(
+            mwc_name,
+            NAMESPACE,
+            "https://127.0.0.1:1/mutate",
+        ),
     )
     .await?;
     let webhook = WebhookConfig {
@@ -536,28 +540,6 @@ async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<Cancellati
     bail!("the operator did not write the webhook's caBundle")
 }
 
-fn webhook_configuration(name: &str, url: &str) -> Result<MutatingWebhookConfiguration> {
-    Ok(serde_json::from_value(json!({
-        "metadata": {"name": name},
-        "webhooks": [{
-            "name": "inject.stoker.dev",
-            "admissionReviewVersions": ["v1"],
-            "sideEffects": "None",
-            "failurePolicy": "Fail",
-            "reinvocationPolicy": "IfNeeded",
-            "timeoutSeconds": 10,
-            "clientConfig": {"url": url},
-            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
-                       "resources": ["pods"], "scope": "Namespaced"}],
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
-            "objectSelector": {"matchExpressions": [
-                {"key": "stoker.dev/pipeline", "operator": "Exists"},
-                {"key": "stoker.dev/role", "operator": "NotIn", "values": ["decoder"]}
-            ]}
-        }]
-    }))?)
-}
-
 /// The webhook is reachable a moment after its configuration points at it.
 async fn create_when_webhook_ready(pods: &Api<Pod>, pod: &Pod) -> Result<()> {
     let mut last = None;
@@ -583,7 +565,7 @@ fn pipeline(opts: &StoryOptions, stage: &Stage<'_>) -> DataPipeline {
             }},
             "transform": {"resize": {"mode": "crop", "width": opts.image_size, "height": opts.image_size}},
             "batch": {"size": opts.batch_size, "shuffleSeed": 42, "dropLast": true},
-            "trainer": {"prefetchBatches": 8, "sharedMemory": "256Mi"},
+            "trainer": {"prefetchBatches": 24, "sharedMemory": "256Mi"},
             "decoders": {
                 "minReplicas": 1, "maxReplicas": opts.max_decoders, "drainSeconds": 2,
                 "nodeSelector": {"stoker.dev/pool": "cpu"},

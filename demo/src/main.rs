@@ -33,7 +33,7 @@ struct Cli {
     #[arg(long, default_value = "demo-out")]
     out: PathBuf,
     /// Each CPU node's NIC, in Mbit/s (the simulated 25 Gb/s scaled to this machine).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = 50)]
     cpu_nic_mbit: u32,
     /// Each GPU node's NIC, in Mbit/s.
     #[arg(long, default_value_t = 2000)]

@@ -12,6 +12,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::core::DynamicObject;
@@ -127,6 +128,32 @@ async fn mutate(
 pub struct WebhookServer {
     pub local_addr: SocketAddr,
     pub task: tokio::task::JoinHandle<()>,
+}
+
+/// The injection webhook's configuration for an operator reached by `url` from outside the
+/// cluster (a local run, a test), limited to the namespace `namespace`. In a cluster the
+/// chart's `templates/webhook.yaml` is the one, with the same rules and selectors.
+pub fn url_configuration(name: &str, namespace: &str, url: &str) -> MutatingWebhookConfiguration {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name},
+        "webhooks": [{
+            "name": "inject.stoker.dev",
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "failurePolicy": "Fail",
+            "reinvocationPolicy": "IfNeeded",
+            "timeoutSeconds": 10,
+            "clientConfig": {"url": url},
+            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
+                       "resources": ["pods"], "scope": "Namespaced"}],
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+            "objectSelector": {"matchExpressions": [
+                {"key": LABEL_PIPELINE, "operator": "Exists"},
+                {"key": crate::api::LABEL_ROLE, "operator": "NotIn", "values": [crate::api::ROLE_DECODER]}
+            ]}
+        }]
+    }))
+    .expect("a literal MutatingWebhookConfiguration deserializes")
 }
 
 /// Loads (or issues) the certificate, binds, and serves until `shutdown`.
