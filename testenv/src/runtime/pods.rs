@@ -201,13 +201,15 @@ impl PodRun {
         for (c, sidecar) in sidecars.map(|c| (c, true)).chain(regular) {
             let image = c.image.clone().unwrap_or_default();
             let loader = glob_match(&launch.loader_image, &image);
-            let mut command: Vec<String> = if loader {
-                vec![launch.loader_bin.display().to_string()]
+            // What the runtime puts first (`host_words` of it) is a path on this machine, never
+            // rewritten into a mount: a checkout under /tmp would land in the pod's /tmp volume.
+            let (mut command, host_words): (Vec<String>, usize) = if loader {
+                (vec![launch.loader_bin.display().to_string()], 1)
             } else if let Some(m) = launch.images.iter().find(|m| glob_match(&m.image, &image)) {
                 if m.command.is_empty() {
-                    c.command.clone().unwrap_or_default()
+                    (c.command.clone().unwrap_or_default(), 0)
                 } else {
-                    m.command.clone()
+                    (m.command.clone(), m.command.len())
                 }
             } else {
                 tracing::debug!(pod = %name, container = %c.name, %image, "no local command for this image; not run");
@@ -218,12 +220,12 @@ impl PodRun {
                 tracing::warn!(pod = %name, container = %c.name, "empty command; not run");
                 continue;
             }
-            runnable.push((c, sidecar, loader, command));
+            runnable.push((c, sidecar, loader, command, host_words));
         }
         // Only what the runnable containers mount (pods of other images cost nothing).
         let mounted: std::collections::BTreeSet<&str> = runnable
             .iter()
-            .flat_map(|(c, _, _, _)| c.volume_mounts.iter().flatten())
+            .flat_map(|(c, _, _, _, _)| c.volume_mounts.iter().flatten())
             .map(|m| m.name.as_str())
             .collect();
         let pod_dir = format!("{namespace}_{name}_{}", &uid[..uid.len().min(8)]);
@@ -289,7 +291,7 @@ impl PodRun {
         }
 
         let mut containers = Vec::new();
-        for (c, sidecar, loader, command) in runnable {
+        for (c, sidecar, loader, command, host_words) in runnable {
             let mounts = mounts_of(c, &volumes);
             let metrics_port = metrics_port(c);
             let readiness = Readiness::of(c);
@@ -314,7 +316,13 @@ impl PodRun {
             let vars: BTreeMap<String, String> = env.iter().cloned().collect();
             let rewrite = |s: &str| rewrite_value(&expand_vars(s, &vars), ip, &mounts);
             let env = env.iter().map(|(k, v)| (k.clone(), rewrite(v))).collect();
-            let mut command = command.iter().map(|a| rewrite(a));
+            let mut command = command.iter().enumerate().map(|(i, a)| {
+                if i < host_words {
+                    a.clone()
+                } else {
+                    rewrite(a)
+                }
+            });
             let program = command.next().unwrap_or_default();
             let now = Instant::now();
             containers.push(ContainerRun {
