@@ -635,3 +635,41 @@ async fn f_a_native_sidecar_ends_with_the_regular_containers() {
     );
     pods.delete("job", &DeleteParams::default()).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g_the_runtimes_own_binary_is_not_rewritten_into_a_mount() {
+    runtime();
+    let ns = ControlPlane::shared().namespace("rt-tmp").await;
+    let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    // The (fake) loader binary lives under /tmp, and the pod mounts an emptyDir at /tmp, as
+    // the decoders do: container paths under /tmp go to the volume, the binary's must not.
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "loader"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": "cpu-3"},
+            "containers": [{"name": "loader", "image": "registry.invalid/stoker-loader:test",
+                            "ports": [{"name": "metrics", "containerPort": 9090}],
+                            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}],
+            "volumes": [{"name": "tmp", "emptyDir": {}}],
+            "terminationGracePeriodSeconds": 5,
+        }
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    let ip = eventually("pod IP", Duration::from_secs(60), || async {
+        pods.get("loader").await.ok().as_ref().and_then(pod_ip)
+    })
+    .await;
+    eventually(
+        "the loader serving /metrics on its pod IP",
+        Duration::from_secs(30),
+        || async move {
+            let (status, body) = http_get(SocketAddr::new(ip.into(), 9090), "/metrics").ok()?;
+            (status == 200 && body.contains("stoker_fake_loader_up")).then_some(())
+        },
+    )
+    .await;
+    pods.delete("loader", &DeleteParams::default())
+        .await
+        .unwrap();
+}
