@@ -151,7 +151,7 @@ impl AutoscalerHandle {
 }
 
 /// The maps hold plain data, so a panic elsewhere cannot leave them half-written.
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 

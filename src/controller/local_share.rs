@@ -13,8 +13,10 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
+use super::autoscaling::lock;
+use super::trainers;
 use crate::autoscale::prometheus::http_client;
-use crate::webhook::inject::{SIDECAR_HEALTH_PORT, SIDECAR_NAME};
+use crate::webhook::inject::SIDECAR_HEALTH_PORT;
 
 /// The share an injected sidecar starts with (the webhook passes no `--local-share`).
 const STARTING_SHARE: f64 = 0.0;
@@ -104,7 +106,7 @@ fn sidecars(trainers: &[Pod], port: u16) -> Vec<Sidecar> {
     trainers
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .filter(|p| has_sidecar(p))
+        .filter(|p| trainers::is_injected(p))
         .filter_map(|p| {
             let status = p.status.as_ref()?;
             if status.phase.as_deref() != Some("Running") {
@@ -126,17 +128,6 @@ fn sidecars(trainers: &[Pod], port: u16) -> Vec<Sidecar> {
         .collect()
 }
 
-fn has_sidecar(pod: &Pod) -> bool {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.init_containers.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.name == SIDECAR_NAME))
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -145,6 +136,7 @@ mod tests {
     use axum::routing::put;
 
     use super::*;
+    use crate::webhook::inject::SIDECAR_NAME;
 
     fn trainer(uid: &str, ip: &str, phase: &str, injected: bool) -> Pod {
         let init = if injected {

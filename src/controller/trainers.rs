@@ -15,7 +15,7 @@ fn is_live(pod: &Pod) -> bool {
         )
 }
 
-fn is_injected(pod: &Pod) -> bool {
+pub(super) fn is_injected(pod: &Pod) -> bool {
     pod.annotations().contains_key(ANNOTATION_INJECTED)
         || pod
             .spec
