@@ -1,7 +1,7 @@
 //! The scaling policy: signals and the fleet as it is → a [`ScaleDecision`]. Pure: no clock,
 //! no I/O; the caller passes `now` and keeps the [`ScaleHistory`].
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
@@ -231,6 +231,9 @@ const MAX_USABLE_WAIT: f64 = 0.95;
 /// Below this much busy time in the whole fleet (in decoder-seconds per second) the per-decoder
 /// rate is noise; the last good measurement stands.
 const MIN_BUSY_FOR_RATE: f64 = 0.1;
+/// Bytes a NIC carries per payload byte: TCP/IP headers (~3.5% of a 1,500-byte frame), HTTP
+/// and gRPC framing.
+const WIRE_OVERHEAD: f64 = 1.05;
 /// A local-decode share falls only by more than this, so that it does not follow noise.
 const LOCAL_SHARE_BAND: f64 = 0.1;
 
@@ -584,33 +587,55 @@ fn nic_utilization(
     nic.utilization(link)
 }
 
-/// Samples per second one decoder can send through its node's NIC at `max_nic_utilization`:
-/// decoded bytes per sample as the decoder nodes' NICs carried them in the window, over the
-/// largest of their links (new decoders avoid the hot ones). `None` until decoder-only nodes
-/// have sent something.
+/// Samples per second one decoder can move through its node's NIC at `max_nic_utilization`,
+/// over the largest link of the decoder-only nodes (new decoders avoid the hot ones), in the
+/// busier direction: decoded bytes out usually, encoded bytes in when the sources are large or
+/// the target small. `None` until something measures bytes per sample.
 fn nic_rate_cap(policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals) -> Option<f64> {
-    let mut per_node: BTreeMap<&str, f64> = BTreeMap::new();
-    for (pod, node) in &fleet.pods {
-        if let Some(signal) = s.decoders.get(pod) {
-            *per_node.entry(node.as_str()).or_default() += signal.samples_per_second;
-        }
-    }
-    let (mut samples, mut sent, mut link) = (0.0, 0.0, 0.0_f64);
-    // A trainer's node also receives its own traffic: its bytes are not the decoders'.
-    for (node, node_samples) in per_node
-        .into_iter()
-        .filter(|(node, _)| !fleet.trainer_nodes.contains_key(*node))
-    {
-        let (Some(nic), Some(node_link)) = (s.nodes.get(node), link_of(policy, fleet, s, node))
-        else {
-            continue;
-        };
-        samples += node_samples;
-        sent += nic.transmit_bytes_per_second;
-        link = link.max(node_link);
-    }
-    (samples > 1.0 && sent > 0.0 && link > 0.0)
-        .then(|| link * policy.max_nic_utilization * samples / sent)
+    // A trainer's node also carries its own traffic: its bytes are not the decoders'.
+    let decoder_nodes: BTreeSet<&str> = fleet
+        .pods
+        .values()
+        .map(String::as_str)
+        .filter(|node| !fleet.trainer_nodes.contains_key(*node))
+        .collect();
+    let link = decoder_nodes
+        .iter()
+        .filter_map(|node| link_of(policy, fleet, s, node))
+        .reduce(f64::max)
+        .filter(|link| *link > 0.0)?;
+    // The decoders' own counters first: a decoder that started inside the window is not
+    // diluted by its node's idle seconds before it, as the node's NIC counters are.
+    let per_sample = decoder_bytes_per_sample(s)
+        .or_else(|| nic_bytes_per_sample(fleet, s, &decoder_nodes))?;
+    Some(link * policy.max_nic_utilization / per_sample)
+}
+
+/// Bytes the decoder-only nodes' NICs carried per sample their decoders delivered, in the busier
+/// direction. `None` until those nodes have moved something.
+fn nic_bytes_per_sample(
+    fleet: &DecoderFleet,
+    s: &Signals,
+    decoder_nodes: &BTreeSet<&str>,
+) -> Option<f64> {
+    let samples: f64 = fleet
+        .pods
+        .iter()
+        .filter(|(_, node)| decoder_nodes.contains(node.as_str()))
+        .filter_map(|(pod, _)| s.decoders.get(pod))
+        .map(|signal| signal.samples_per_second)
+        .sum();
+    let (received, sent) = decoder_nodes
+        .iter()
+        .filter_map(|node| s.nodes.get(*node))
+        .fold((0.0, 0.0), |(rx, tx), nic| {
+            (
+                rx + nic.receive_bytes_per_second,
+                tx + nic.transmit_bytes_per_second,
+            )
+        });
+    let busier = f64::max(received, sent);
+    (samples > 1.0 && busier > 0.0).then(|| busier / samples)
 }
 
 fn link_of(
@@ -668,8 +693,22 @@ fn place(
             ));
             continue;
         }
-        d.learned.moved_from.push(node.clone());
         let n = pods.len();
+        // A decoder that fills the limit on its own fills any node it moves to: the cure is
+        // more decoders (its rate is capped by its NIC), not churn.
+        let alone = decoder_link_share(policy, fleet, s, node, pods)
+            .unwrap_or(util)
+            / n as f64;
+        if alone > limit {
+            notes.push(format!(
+                "node {node} NIC {} > {}: each of its {n} decoders carries {} alone, moving cannot help",
+                pct(util),
+                pct(limit),
+                pct(alone)
+            ));
+            continue;
+        }
+        d.learned.moved_from.push(node.clone());
         let k = ((n as f64) * (1.0 - limit / util))
             .ceil()
             .clamp(1.0, n as f64) as usize;
@@ -684,6 +723,36 @@ fn place(
     moved.sort();
     d.move_pods = moved;
     notes
+}
+
+/// The share of `node`'s link that `pods`, its decoders, fill themselves in the busier
+/// direction; `None` without the decoders' byte counters.
+fn decoder_link_share(
+    policy: &AutoscalingPolicy,
+    fleet: &DecoderFleet,
+    s: &Signals,
+    node: &str,
+    pods: &[&str],
+) -> Option<f64> {
+    let per_sample = decoder_bytes_per_sample(s)?;
+    let link = link_of(policy, fleet, s, node).filter(|l| *l > 0.0)?;
+    let samples: f64 = pods
+        .iter()
+        .filter_map(|pod| s.decoders.get(*pod))
+        .map(|signal| signal.samples_per_second)
+        .sum();
+    Some(samples * per_sample / link)
+}
+
+/// Bytes one sample costs a decoder's NIC in its busier direction (links are full duplex):
+/// encoded bytes in from S3 or decoded bytes out to the trainers, with the wire's framing.
+/// From the decoders' own counters, which cover the same series as their sample counts.
+fn decoder_bytes_per_sample(s: &Signals) -> Option<f64> {
+    let busier = f64::max(
+        s.encoded_bytes_per_sample?,
+        s.decoded_bytes_per_sample?,
+    );
+    (busier > 0.0).then_some(busier * WIRE_OVERHEAD)
 }
 
 fn append_notes(reason: &mut String, notes: &[String]) {
@@ -1016,6 +1085,46 @@ mod tests {
             at(-30),
         );
 
+        // One decoder behind a saturated 50 Mbit/s NIC, as the story starts: large sources, so
+        // the NIC's receive side (encoded bytes in) binds, not the decoded bytes out.
+        let nic_bound = |counters: bool| {
+            let link = 50e6 / 8.0;
+            let (encoded, decoded) = (221_000.0, 150_528.0);
+            Signals {
+                data_wait_share: Some(0.45),
+                consumption_per_second: Some(60.0),
+                // 30/s over its own short life; the node's counters span the whole window.
+                decoders: BTreeMap::from([(
+                    pod(0),
+                    DecoderSignal {
+                        samples_per_second: 30.0,
+                        busy_share: 0.05,
+                    },
+                )]),
+                nodes: BTreeMap::from([(
+                    "cpu-0".to_string(),
+                    NodeNetwork {
+                        receive_bytes_per_second: 0.97 * link,
+                        transmit_bytes_per_second: 0.97 * link * decoded / encoded,
+                        link_bytes_per_second: Some(link),
+                    },
+                )]),
+                s3_requests_per_second: Some(30.0),
+                encoded_bytes_per_sample: counters.then_some(encoded),
+                decoded_bytes_per_sample: counters.then_some(decoded),
+                ..Signals::default()
+            }
+        };
+        // The same node, but its decoder moves only 5/s: other traffic fills the NIC.
+        let mut quiet_nic_bound = nic_bound(true);
+        if let Some(decoder) = quiet_nic_bound.decoders.get_mut(&pod(0)) {
+            decoder.samples_per_second = 5.0;
+        }
+        let one_decoder = AutoscalingPolicy {
+            min_replicas: 1,
+            ..policy()
+        };
+
         vec![
             Case {
                 name: "starvation: one step to the needed count",
@@ -1075,6 +1184,40 @@ mod tests {
                 avoid: &["cpu-1"],
                 moved: &["decoder-04"],
                 reason: "node cpu-1 NIC 95% > 80%: moving 1 of 2 decoders",
+                ..Case::default()
+            },
+            Case {
+                name: "NIC-bound decoder: its rate is what the busier direction carries",
+                policy: one_decoder.clone(),
+                fleet: fleet(1, 1),
+                signals: Some(nic_bound(true)),
+                replicas: 7,
+                starved: true,
+                avoid: &["cpu-0"],
+                reason: "need 109/s at 22/s per decoder → 7; node cpu-0 NIC 97% > 80%: each of its 1 decoders carries 111% alone, moving cannot help",
+                ..Case::default()
+            },
+            Case {
+                name: "a lone decoder on a node others fill: moved off",
+                policy: one_decoder.clone(),
+                fleet: fleet(1, 1),
+                signals: Some(quiet_nic_bound),
+                replicas: 7,
+                starved: true,
+                avoid: &["cpu-0"],
+                moved: &["decoder-00"],
+                reason: "node cpu-0 NIC 97% > 80%: moving 1 of 1 decoders",
+                ..Case::default()
+            },
+            Case {
+                name: "NIC-bound decoder without byte counters: the node's busier direction",
+                policy: one_decoder,
+                fleet: fleet(1, 1),
+                signals: Some(nic_bound(false)),
+                replicas: 6,
+                starved: true,
+                avoid: &["cpu-0"],
+                reason: "need 109/s at 25/s per decoder → 6",
                 ..Case::default()
             },
             Case {
