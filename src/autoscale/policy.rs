@@ -606,8 +606,8 @@ fn nic_rate_cap(policy: &AutoscalingPolicy, fleet: &DecoderFleet, s: &Signals) -
         .filter(|link| *link > 0.0)?;
     // The decoders' own counters first: a decoder that started inside the window is not
     // diluted by its node's idle seconds before it, as the node's NIC counters are.
-    let per_sample = decoder_bytes_per_sample(s)
-        .or_else(|| nic_bytes_per_sample(fleet, s, &decoder_nodes))?;
+    let per_sample =
+        decoder_bytes_per_sample(s).or_else(|| nic_bytes_per_sample(fleet, s, &decoder_nodes))?;
     Some(link * policy.max_nic_utilization / per_sample)
 }
 
@@ -696,9 +696,7 @@ fn place(
         let n = pods.len();
         // A decoder that fills the limit on its own fills any node it moves to: the cure is
         // more decoders (its rate is capped by its NIC), not churn.
-        let alone = decoder_link_share(policy, fleet, s, node, pods)
-            .unwrap_or(util)
-            / n as f64;
+        let alone = decoder_link_share(policy, fleet, s, node, pods).unwrap_or(util) / n as f64;
         if alone > limit {
             notes.push(format!(
                 "node {node} NIC {} > {}: each of its {n} decoders carries {} alone, moving cannot help",
@@ -748,10 +746,7 @@ fn decoder_link_share(
 /// encoded bytes in from S3 or decoded bytes out to the trainers, with the wire's framing.
 /// From the decoders' own counters, which cover the same series as their sample counts.
 fn decoder_bytes_per_sample(s: &Signals) -> Option<f64> {
-    let busier = f64::max(
-        s.encoded_bytes_per_sample?,
-        s.decoded_bytes_per_sample?,
-    );
+    let busier = f64::max(s.encoded_bytes_per_sample?, s.decoded_bytes_per_sample?);
     (busier > 0.0).then_some(busier * WIRE_OVERHEAD)
 }
 
