@@ -1,5 +1,6 @@
 //! `DecoderFleet`: the decode workers this sidecar knows, with their outstanding requests and
-//! health. Batches go to the healthy worker with the fewest outstanding requests; a worker
+//! health. Batches go to the healthy worker with the fewest outstanding requests (ties taken in
+//! turn, so a lightly loaded fleet still spreads its work and finds dead workers); a worker
 //! that fails `max_failures` times in a row is set aside for `set_aside_for`, then tried again.
 
 use std::collections::{HashMap, HashSet};
@@ -91,6 +92,8 @@ impl Drop for Outstanding {
 pub struct DecoderFleet {
     workers: Mutex<HashMap<String, Arc<DecodeWorkerHandle>>>,
     policy: FleetPolicy,
+    /// Where the next tie among equally loaded workers starts.
+    turn: AtomicUsize,
 }
 
 /// Counts for metrics.
@@ -105,6 +108,7 @@ impl DecoderFleet {
         Self {
             workers: Mutex::default(),
             policy,
+            turn: AtomicUsize::new(0),
         }
     }
 
@@ -132,14 +136,26 @@ impl DecoderFleet {
         (added, removed)
     }
 
-    /// The available worker with the fewest outstanding requests, skipping `tried`.
+    /// The available worker with the fewest outstanding requests, skipping `tried`; among
+    /// equally loaded ones, each in turn. Without the turn, a fleet that keeps up (nothing
+    /// outstanding between batches) would send every batch to the same worker.
     pub fn pick(&self, tried: &HashSet<String>) -> Option<Outstanding> {
         let now = Instant::now();
         let workers = self.lock();
-        let best = workers
+        let mut candidates: Vec<&Arc<DecodeWorkerHandle>> = workers
             .values()
             .filter(|w| !tried.contains(&w.endpoint) && w.available(now))
-            .min_by_key(|w| (w.outstanding(), w.endpoint.clone()))?
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        candidates.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
+        let n = candidates.len();
+        let start = self.turn.fetch_add(1, Ordering::Relaxed) % n;
+        // `min_by_key` keeps the first of equal minima: the one whose turn it is.
+        let best = (0..n)
+            .map(|i| candidates[(start + i) % n])
+            .min_by_key(|w| w.outstanding())?
             .clone();
         best.outstanding.fetch_add(1, Ordering::SeqCst);
         Some(Outstanding(best))
@@ -212,5 +228,20 @@ mod tests {
             "nothing left once the only healthy one was tried"
         );
         assert_eq!(fleet.update(&["http://c".into()]), (1, 2));
+    }
+
+    #[test]
+    fn equally_loaded_workers_take_turns() {
+        let fleet = DecoderFleet::default();
+        fleet.update(&["http://a".into(), "http://b".into(), "http://c".into()]);
+        let none = HashSet::new();
+        // Each request finishes before the next is sent: nothing is ever outstanding.
+        let picked: Vec<String> = (0..6)
+            .map(|_| fleet.pick(&none).unwrap().worker().endpoint.clone())
+            .collect();
+        for endpoint in ["http://a", "http://b", "http://c"] {
+            let times = picked.iter().filter(|p| *p == endpoint).count();
+            assert_eq!(times, 2, "{endpoint} in {picked:?}");
+        }
     }
 }
