@@ -2,8 +2,9 @@
 //! packed uint8 HWC pixels plus per-sample metadata.
 //!
 //! Three passes: probe every header (cheap) to learn each output's shape and skip bad files
-//! before allocating; allocate the batch buffer once at its exact size; decode and resize every
-//! sample in parallel straight into its own slice of that buffer. Samples that fail in the last
+//! before allocating; allocate the batch buffer once at its exact size (or take the caller's,
+//! [`decode_batch_into`]); decode and resize every sample in parallel straight into its own
+//! slice of that buffer. Samples that fail in the last
 //! pass leave a hole that is closed by moving the later samples down.
 
 use std::cell::RefCell;
@@ -104,95 +105,184 @@ pub fn decode_batch(
     transform: &Transform,
     limits: &DecodeLimits,
 ) -> Batch {
-    let t0 = Instant::now();
-    // Pass 1: headers.
-    let plans: Vec<Result<Plan, SkipReason>> = samples
-        .par_iter()
-        .map(|s| plan_sample(s, transform, limits))
-        .collect();
-    let mut metas: Vec<SampleMeta> = samples
-        .iter()
-        .zip(&plans)
-        .map(|(s, p)| {
-            let mut m = SampleMeta {
-                key: s.key.clone(),
-                metadata: s.metadata.clone(),
-                encoded_bytes: s.data.as_ref().map_or(0, |b| b.len() as u64),
-                ..SampleMeta::default()
-            };
-            match p {
-                Ok(plan) => {
-                    let (ow, oh) = plan.probe.oriented_size();
-                    m.orig_width = ow;
-                    m.orig_height = oh;
-                    m.width = plan.out.0;
-                    m.height = plan.out.1;
-                }
-                Err(reason) => m.skip = Some(*reason),
-            }
-            m
-        })
-        .collect();
-    let mut offset = 0u64;
-    for m in &mut metas {
-        m.offset = offset;
-        offset += m.byte_len() as u64;
-    }
-    let t1 = Instant::now();
-
-    // Pass 2: one allocation for the batch, then every sample into its own slice.
-    let mut pixels = vec![0u8; offset as usize];
-    let mut slots: Vec<&mut [u8]> = Vec::with_capacity(metas.len());
-    let mut rest = pixels.as_mut_slice();
-    for m in &metas {
-        let (head, tail) = rest.split_at_mut(m.byte_len());
-        slots.push(head);
-        rest = tail;
-    }
-    let results: Vec<(Result<(), SkipReason>, Duration, Duration)> = slots
-        .into_par_iter()
-        .zip(samples.par_iter())
-        .zip(plans.par_iter())
-        .map(|((slot, sample), plan)| match (plan, &sample.data) {
-            (Ok(plan), Ok(data)) => decode_into(&sample.key, data, plan, transform, slot),
-            _ => (Ok(()), Duration::ZERO, Duration::ZERO),
-        })
-        .collect();
-    let t2 = Instant::now();
-
-    // Pass 3: close the holes left by late failures.
-    let mut timings = BatchTimings::default();
-    for (m, (r, dec, res)) in metas.iter_mut().zip(&results) {
-        timings.decode_cpu += *dec;
-        timings.resize_cpu += *res;
-        if let Err(reason) = r {
-            m.skip = Some(*reason);
-        }
-    }
-    let mut write = 0usize;
-    for m in &mut metas {
-        if m.skip.is_some() {
-            m.width = 0;
-            m.height = 0;
-            m.offset = write as u64;
-            continue;
-        }
-        let len = m.byte_len();
-        let read = m.offset as usize;
-        if read != write {
-            pixels.copy_within(read..read + len, write);
-        }
-        m.offset = write as u64;
-        write += len;
-    }
-    pixels.truncate(write);
-    timings.probe_wall = t1 - t0;
-    timings.decode_wall = t2 - t1;
-    timings.pack_wall = t1 - t0 + t2.elapsed();
+    let planned = PlannedBatch::new(samples, transform, limits);
+    // One allocation for the batch, at its exact size.
+    let mut pixels = vec![0u8; planned.bytes()];
+    let into = planned.decode_into(samples, transform, &mut pixels);
+    pixels.truncate(into.bytes);
     Batch {
         pixels,
-        samples: metas,
-        timings,
+        samples: into.samples,
+        timings: into.timings,
+    }
+}
+
+/// A batch decoded into a buffer the caller owns (a shared-memory slot): its samples, with
+/// offsets into that buffer, and how many of its bytes hold pixels.
+#[derive(Debug, Default)]
+pub struct DecodedInto {
+    pub samples: Vec<SampleMeta>,
+    pub timings: BatchTimings,
+    pub bytes: usize,
+}
+
+/// [`decode_batch`] straight into `out`, with no intermediate buffer. Samples that would end
+/// past `out` (variable output sizes, a too small buffer) are skipped as `too_large` before
+/// anything is decoded.
+pub fn decode_batch_into(
+    samples: &[EncodedSample],
+    transform: &Transform,
+    limits: &DecodeLimits,
+    out: &mut [u8],
+) -> DecodedInto {
+    let mut planned = PlannedBatch::new(samples, transform, limits);
+    planned.fit(out.len());
+    planned.decode_into(samples, transform, out)
+}
+
+/// Pass 1 of a batch: every header probed, every output's shape and offset known.
+struct PlannedBatch {
+    plans: Vec<Result<Plan, SkipReason>>,
+    metas: Vec<SampleMeta>,
+    started: Instant,
+}
+
+impl PlannedBatch {
+    fn new(samples: &[EncodedSample], transform: &Transform, limits: &DecodeLimits) -> Self {
+        let started = Instant::now();
+        let plans: Vec<Result<Plan, SkipReason>> = samples
+            .par_iter()
+            .map(|s| plan_sample(s, transform, limits))
+            .collect();
+        let metas = samples
+            .iter()
+            .zip(&plans)
+            .map(|(s, p)| {
+                let mut m = SampleMeta {
+                    key: s.key.clone(),
+                    metadata: s.metadata.clone(),
+                    encoded_bytes: s.data.as_ref().map_or(0, |b| b.len() as u64),
+                    ..SampleMeta::default()
+                };
+                match p {
+                    Ok(plan) => {
+                        let (ow, oh) = plan.probe.oriented_size();
+                        m.orig_width = ow;
+                        m.orig_height = oh;
+                        m.width = plan.out.0;
+                        m.height = plan.out.1;
+                    }
+                    Err(reason) => m.skip = Some(*reason),
+                }
+                m
+            })
+            .collect();
+        let mut planned = Self {
+            plans,
+            metas,
+            started,
+        };
+        planned.lay_out();
+        planned
+    }
+
+    /// Sample after sample, back to back.
+    fn lay_out(&mut self) {
+        let mut offset = 0u64;
+        for m in &mut self.metas {
+            m.offset = offset;
+            offset += m.byte_len() as u64;
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.metas.iter().map(SampleMeta::byte_len).sum()
+    }
+
+    /// Skips, as `too_large`, the samples that would end past `capacity` bytes.
+    fn fit(&mut self, capacity: usize) {
+        let mut end = 0usize;
+        for (m, plan) in self.metas.iter_mut().zip(&mut self.plans) {
+            if m.skip.is_some() {
+                continue;
+            }
+            if end + m.byte_len() > capacity {
+                tracing::warn!(key = %m.key, capacity, "sample does not fit in the batch buffer; skipping");
+                m.skip = Some(SkipReason::TooLarge);
+                m.width = 0;
+                m.height = 0;
+                *plan = Err(SkipReason::TooLarge);
+                continue;
+            }
+            end += m.byte_len();
+        }
+        self.lay_out();
+    }
+
+    /// Passes 2 and 3: every sample decoded into its own slice of `out`, then the holes left
+    /// by late failures closed. `out` holds at least [`PlannedBatch::bytes`].
+    fn decode_into(
+        self,
+        samples: &[EncodedSample],
+        transform: &Transform,
+        out: &mut [u8],
+    ) -> DecodedInto {
+        let Self {
+            plans,
+            mut metas,
+            started,
+        } = self;
+        let t1 = Instant::now();
+        let mut slots: Vec<&mut [u8]> = Vec::with_capacity(metas.len());
+        let mut rest = &mut out[..];
+        for m in &metas {
+            let (head, tail) = rest.split_at_mut(m.byte_len());
+            slots.push(head);
+            rest = tail;
+        }
+        let results: Vec<(Result<(), SkipReason>, Duration, Duration)> = slots
+            .into_par_iter()
+            .zip(samples.par_iter())
+            .zip(plans.par_iter())
+            .map(|((slot, sample), plan)| match (plan, &sample.data) {
+                (Ok(plan), Ok(data)) => decode_into(&sample.key, data, plan, transform, slot),
+                _ => (Ok(()), Duration::ZERO, Duration::ZERO),
+            })
+            .collect();
+        let t2 = Instant::now();
+
+        let mut timings = BatchTimings::default();
+        for (m, (r, dec, res)) in metas.iter_mut().zip(&results) {
+            timings.decode_cpu += *dec;
+            timings.resize_cpu += *res;
+            if let Err(reason) = r {
+                m.skip = Some(*reason);
+            }
+        }
+        let mut write = 0usize;
+        for m in &mut metas {
+            if m.skip.is_some() {
+                m.width = 0;
+                m.height = 0;
+                m.offset = write as u64;
+                continue;
+            }
+            let len = m.byte_len();
+            let read = m.offset as usize;
+            if read != write {
+                out.copy_within(read..read + len, write);
+            }
+            m.offset = write as u64;
+            write += len;
+        }
+        timings.probe_wall = t1 - started;
+        timings.decode_wall = t2 - t1;
+        timings.pack_wall = t1 - started + t2.elapsed();
+        DecodedInto {
+            samples: metas,
+            timings,
+            bytes: write,
+        }
     }
 }
 

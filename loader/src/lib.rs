@@ -16,5 +16,5 @@ pub mod source;
 pub mod transform;
 pub mod worker;
 
-pub use batch::{Batch, EncodedSample, SampleMeta, decode_batch};
+pub use batch::{Batch, DecodedInto, EncodedSample, SampleMeta, decode_batch, decode_batch_into};
 pub use transform::Transform;

@@ -6,8 +6,8 @@ mod common;
 use bytes::Bytes;
 use common::*;
 use image::imageops::{self, FilterType};
-use stoker_loader::decode::DecodeLimits;
-use stoker_loader::{EncodedSample, Transform, decode_batch};
+use stoker_loader::decode::{DecodeLimits, SkipReason};
+use stoker_loader::{EncodedSample, Transform, decode_batch, decode_batch_into};
 
 fn sample(key: &str, data: Vec<u8>) -> EncodedSample {
     EncodedSample {
@@ -53,6 +53,38 @@ fn crop_matches_a_reference_resize_with_and_without_dct_scaling() {
         let diff = mean_abs_diff(&batch.pixels, &want);
         assert!(diff < 4.0, "{w}x{h}: mean abs diff {diff}");
     }
+}
+
+#[test]
+fn a_batch_decodes_into_a_callers_buffer_and_skips_what_does_not_fit() {
+    let t = Transform::Crop {
+        width: 64,
+        height: 64,
+    };
+    let limits = DecodeLimits::default();
+    let samples = [
+        sample("a", jpeg(200, 100)),
+        sample("b", png(120, 90)),
+        sample("c", jpeg(90, 120)),
+    ];
+    let whole = decode_batch(&samples, &t, &limits);
+    let mut slot = vec![0u8; whole.pixels.len()];
+    let into = decode_batch_into(&samples, &t, &limits, &mut slot);
+    assert_eq!(into.samples, whole.samples);
+    assert_eq!(into.bytes, whole.pixels.len());
+    assert_eq!(
+        slot, whole.pixels,
+        "the same pixels, in the caller's buffer"
+    );
+
+    // Room for two samples and a bit: the third is skipped before anything is decoded.
+    let one = 64 * 64 * 3;
+    let mut small = vec![0u8; 2 * one + 100];
+    let into = decode_batch_into(&samples, &t, &limits, &mut small);
+    assert_eq!(into.samples[2].skip, Some(SkipReason::TooLarge));
+    assert_eq!(into.samples[2].byte_len(), 0);
+    assert_eq!(into.bytes, 2 * one);
+    assert_eq!(small[..2 * one], whole.pixels[..2 * one]);
 }
 
 #[test]
@@ -190,13 +222,24 @@ fn grayscale_alpha_and_exif_orientation_become_upright_rgb() {
         "transparent over white"
     );
 
+    assert_upright_after_clockwise_rotation(rotated);
+}
+
+#[test]
+fn png_exif_orientation_is_applied() {
+    // The same 200x100 pattern as a PNG whose eXIf chunk says "rotate 90° clockwise".
+    assert_upright_after_clockwise_rotation(png_with_exif_orientation(&png(200, 100), 6));
+}
+
+/// `data` holds the 200x100 pattern tagged "rotate 90° clockwise": it must come out 100x200.
+fn assert_upright_after_clockwise_rotation(data: Vec<u8>) {
     // Fit keeps the whole image: 100x200 upright becomes 32x64 at x = 16..48.
     let fit = Transform::Fit {
         width: 64,
         height: 64,
         pad: 0,
     };
-    let batch = decode_batch(&[sample("r", rotated)], &fit, &DecodeLimits::default());
+    let batch = decode_batch(&[sample("r", data)], &fit, &DecodeLimits::default());
     let r = &batch.samples[0];
     assert_eq!(r.skip, None);
     assert_eq!(
@@ -212,12 +255,49 @@ fn grayscale_alpha_and_exif_orientation_become_upright_rgb() {
     assert_eq!(at(5, 30), 0, "padding");
 }
 
-/// Inserts an APP1 EXIF segment with the orientation tag right after SOI.
-fn with_exif_orientation(jpeg: &[u8], orientation: u16) -> Vec<u8> {
+/// A little-endian TIFF block whose IFD0 holds only the orientation tag.
+fn exif_tiff(orientation: u16) -> Vec<u8> {
     let mut tiff = b"II\x2a\0\x08\0\0\0\x01\0".to_vec();
     tiff.extend_from_slice(&[0x12, 0x01, 3, 0, 1, 0, 0, 0]);
     tiff.extend_from_slice(&orientation.to_le_bytes());
     tiff.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+    tiff
+}
+
+/// Inserts an eXIf chunk with the orientation tag right after IHDR (it must precede IDAT).
+fn png_with_exif_orientation(png: &[u8], orientation: u16) -> Vec<u8> {
+    let tiff = exif_tiff(orientation);
+    // Signature (8) + IHDR: length (4), type (4), 13 bytes of data, CRC (4).
+    let after_ihdr = 8 + 4 + 4 + 13 + 4;
+    let mut chunk = (tiff.len() as u32).to_be_bytes().to_vec();
+    chunk.extend_from_slice(b"eXIf");
+    chunk.extend_from_slice(&tiff);
+    chunk.extend_from_slice(&crc32(&chunk[4..]).to_be_bytes());
+    let mut out = png[..after_ihdr].to_vec();
+    out.extend_from_slice(&chunk);
+    out.extend_from_slice(&png[after_ihdr..]);
+    out
+}
+
+/// PNG's CRC-32 (ISO 3309), bit by bit: the decoder checks every chunk's.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// Inserts an APP1 EXIF segment with the orientation tag right after SOI.
+fn with_exif_orientation(jpeg: &[u8], orientation: u16) -> Vec<u8> {
+    let tiff = exif_tiff(orientation);
     let mut out = jpeg[..2].to_vec();
     out.extend_from_slice(&[0xFF, 0xE1]);
     out.extend_from_slice(&((2 + 6 + tiff.len()) as u16).to_be_bytes());

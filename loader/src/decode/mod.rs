@@ -7,7 +7,7 @@ mod orientation;
 mod raster;
 mod sniff;
 
-pub use orientation::{Orientation, apply_orientation, exif_orientation};
+pub use orientation::{Orientation, apply_orientation, exif_orientation, png_exif_orientation};
 pub use sniff::{Format, sniff};
 
 /// Why a sample was skipped. The string form is the `reason` label on metrics and the

@@ -1,5 +1,6 @@
-//! EXIF orientation: read from a JPEG's APP1 segment (PNG and WebP get it from the `image`
-//! crate) and applied to decoded RGB8 pixels so that samples look the way cameras meant.
+//! EXIF orientation: read from a JPEG's APP1 segment or a PNG's eXIf chunk (WebP gets it from
+//! the `image` crate) and applied to decoded RGB8 pixels, so that samples look the way cameras
+//! meant.
 
 /// EXIF orientation tag values 1–8.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -70,6 +71,31 @@ pub fn exif_orientation(jpeg: &[u8]) -> Orientation {
             }
         }
         pos = pos + 2 + len;
+    }
+    Orientation::Normal
+}
+
+/// Finds the orientation tag in a PNG's `eXIf` chunk, which must precede the pixel data
+/// (`IDAT`); Normal when absent or unreadable. Walks chunk headers only: no CRC, no inflate.
+pub fn png_exif_orientation(png: &[u8]) -> Orientation {
+    // Signature (8 bytes), then chunks: length (4, big-endian), type (4), data, CRC (4).
+    let mut pos = 8;
+    while let Some(header) = png.get(pos..pos + 8) {
+        let len = u32::from_be_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        let kind = &header[4..8];
+        if kind == b"IDAT" || kind == b"IEND" {
+            break;
+        }
+        let start = pos + 8;
+        if kind == b"eXIf" {
+            let Some(data) = png.get(start..start.saturating_add(len)) else {
+                break;
+            };
+            // Some writers keep the JPEG APP1 prefix; the PNG spec stores the TIFF block bare.
+            let tiff = data.strip_prefix(b"Exif\0\0").unwrap_or(data);
+            return tiff_orientation(tiff).unwrap_or_default();
+        }
+        pos = start.saturating_add(len).saturating_add(4);
     }
     Orientation::Normal
 }

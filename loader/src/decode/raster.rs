@@ -6,7 +6,9 @@ use std::io::Cursor;
 
 use image::{ColorType, ImageDecoder, ImageError, Limits};
 
-use super::{DecodeError, Decoded, Format, Orientation, Probe, sniff::PNG_MAGIC};
+use super::{
+    DecodeError, Decoded, Format, Orientation, Probe, png_exif_orientation, sniff::PNG_MAGIC,
+};
 
 fn classify(format: Format, err: ImageError) -> DecodeError {
     let detail = err.to_string();
@@ -55,13 +57,11 @@ pub(super) fn probe(format: Format, data: &[u8]) -> Result<Probe, DecodeError> {
     match format {
         Format::Png => {
             let (width, height) = png_ihdr_size(data)?;
-            // Orientation (eXIf) is read at decode time; it is rare in PNG and the size guard
-            // already used the stored size, which bounds both orientations.
             Ok(Probe {
                 format,
                 width,
                 height,
-                orientation: Orientation::Normal,
+                orientation: png_exif_orientation(data),
             })
         }
         _ => {

@@ -17,7 +17,7 @@ use super::metrics::{ReasonLabel, RouteLabel, SidecarMetrics};
 use super::plan::PlanConfig;
 use super::protocol::{BatchHeader, SampleHeader, monotonic_ns};
 use super::ring::{ShmRing, SlotLease};
-use crate::batch::{EncodedSample, SampleMeta, decode_batch};
+use crate::batch::{EncodedSample, SampleMeta, decode_batch_into};
 use crate::decode::{DecodeLimits, SkipReason};
 use crate::proto;
 use crate::source::{S3Source, SampleRef};
@@ -117,11 +117,18 @@ pub struct Pipeline {
     pub metrics: Arc<SidecarMetrics>,
 }
 
-/// A decoded batch before it is written into its slot.
+/// A decoded batch, and where its pixels are.
 struct Decoded {
-    pixels: Bytes,
+    pixels: Pixels,
     samples: Vec<SampleMeta>,
     route: &'static str,
+}
+
+enum Pixels {
+    /// A worker's reply, still to be copied into the slot.
+    Received(Bytes),
+    /// Decoded locally straight into the slot (or nothing decoded): nothing to copy.
+    InSlot,
 }
 
 impl Pipeline {
@@ -175,9 +182,9 @@ impl Pipeline {
         index: u64,
         batch_id: u64,
         refs: Vec<SampleRef>,
-        mut lease: SlotLease,
+        lease: SlotLease,
     ) {
-        let decoded = self.decode(seq, batch_id, &refs).await;
+        let (decoded, mut lease) = self.decode(seq, batch_id, &refs, lease).await;
         let slot_bytes = self.ring.slot_bytes();
         let slot = lease.bytes_mut();
         let mut samples = Vec::with_capacity(decoded.samples.len());
@@ -187,14 +194,21 @@ impl Pipeline {
             let (start, len) = (m.offset as usize, m.byte_len());
             let mut shape = [m.height, m.width, 3];
             if skip.is_none() {
-                if start + len > slot_bytes || start + len > decoded.pixels.len() {
+                let fits = start + len <= slot_bytes
+                    && match &decoded.pixels {
+                        Pixels::Received(pixels) => start + len <= pixels.len(),
+                        Pixels::InSlot => true,
+                    };
+                if !fits {
                     // Only with variable output sizes (qwenSmart) and a too small --slot-bytes.
                     tracing::warn!(key = %m.key, slot_bytes, "sample does not fit in the slot; skipping");
                     skip = Some(SkipReason::TooLarge.as_str().to_string());
                     shape = [0, 0, 3];
                 } else {
-                    // The one copy: from the received (or locally decoded) buffer into shared memory.
-                    slot[start..start + len].copy_from_slice(&decoded.pixels[start..start + len]);
+                    if let Pixels::Received(pixels) = &decoded.pixels {
+                        // The one copy: from the worker's reply into shared memory.
+                        slot[start..start + len].copy_from_slice(&pixels[start..start + len]);
+                    }
                     used = used.max((start + len) as u64);
                 }
             } else {
@@ -242,18 +256,24 @@ impl Pipeline {
         ((seq + 1) as f64 * share).floor() > (seq as f64 * share).floor()
     }
 
-    /// Decodes one batch; never fails: it retries on other workers, falls back to local decode
-    /// when no worker is available, and reports bad samples as skips.
-    async fn decode(&self, seq: u64, batch_id: u64, refs: &[SampleRef]) -> Decoded {
+    /// Decodes one batch for `lease`'s slot; never fails: it retries on other workers, falls
+    /// back to local decode when no worker is available, and reports bad samples as skips.
+    async fn decode(
+        &self,
+        seq: u64,
+        batch_id: u64,
+        refs: &[SampleRef],
+        lease: SlotLease,
+    ) -> (Decoded, SlotLease) {
         if self.routed_locally(seq) {
-            return self.decode_locally(refs).await;
+            return self.decode_locally(refs, lease).await;
         }
         let mut tried: HashSet<String> = HashSet::new();
         let mut round = 0u32;
         loop {
             let Some(out) = self.fleet.pick(&tried) else {
                 if self.fleet.counts().available == 0 && self.local_fallback {
-                    return self.decode_locally(refs).await;
+                    return self.decode_locally(refs, lease).await;
                 }
                 // Every available worker was tried (or is busy): pause, then go round again.
                 tried.clear();
@@ -304,11 +324,12 @@ impl Pipeline {
                         .batches_decoded
                         .get_or_create(&RouteLabel { route: "remote" })
                         .inc();
-                    return Decoded {
-                        pixels,
+                    let decoded = Decoded {
+                        pixels: Pixels::Received(pixels),
                         samples: batch_from_reply(reply).samples,
                         route: "remote",
                     };
+                    return (decoded, lease);
                 }
                 Err((reason, fault)) => {
                     self.metrics.retry(reason);
@@ -322,7 +343,8 @@ impl Pipeline {
         }
     }
 
-    async fn decode_locally(&self, refs: &[SampleRef]) -> Decoded {
+    /// Fetches and decodes one batch here, straight into `lease`'s slot.
+    async fn decode_locally(&self, refs: &[SampleRef], lease: SlotLease) -> (Decoded, SlotLease) {
         let encoded: Vec<EncodedSample> = join_all(refs.iter().map(|s| async move {
             let data = self.source.get(&self.bucket, &s.key).await.map_err(|e| {
                 tracing::warn!(key = %s.key, reason = %e.skip_reason(), error = %e, "skipping sample");
@@ -337,58 +359,57 @@ impl Pipeline {
         .await;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (transform, limits) = (self.transform, self.limits);
+        let mut lease = lease;
         self.local_pool.spawn(move || {
             // A panic in a decoder must cost one batch, not the sidecar.
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                decode_batch(&encoded, &transform, &limits)
+                decode_batch_into(&encoded, &transform, &limits, lease.bytes_mut())
             }));
-            let _ = tx.send((result, encoded));
+            let _ = tx.send((result, encoded, lease));
         });
         self.metrics
             .batches_decoded
             .get_or_create(&RouteLabel { route: "local" })
             .inc();
         match rx.await {
-            Ok((Ok(batch), _)) => Decoded {
-                pixels: Bytes::from(batch.pixels),
-                samples: batch.samples,
-                route: "local",
-            },
-            Ok((Err(_), encoded)) => {
+            Ok((Ok(batch), _, lease)) => {
+                let decoded = Decoded {
+                    pixels: Pixels::InSlot,
+                    samples: batch.samples,
+                    route: "local",
+                };
+                (decoded, lease)
+            }
+            Ok((Err(_), encoded, lease)) => {
                 tracing::error!(
                     "local decoder panicked; the batch's samples are reported as corrupt"
                 );
-                all_skipped(&encoded, SkipReason::Corrupt)
+                let keys = encoded.iter().map(|s| (&s.key, &s.metadata));
+                (all_skipped(keys, SkipReason::Corrupt), lease)
             }
-            Err(_) => all_skipped_refs(refs, SkipReason::Corrupt),
+            // The pool went away with the slot: take another for the skips.
+            Err(_) => {
+                let keys = refs.iter().map(|s| (&s.key, &s.metadata));
+                (
+                    all_skipped(keys, SkipReason::Corrupt),
+                    self.ring.acquire().await,
+                )
+            }
         }
     }
 }
 
-fn all_skipped(encoded: &[EncodedSample], reason: SkipReason) -> Decoded {
+/// Every sample of a batch, as (key, metadata), skipped for `reason`.
+fn all_skipped<'a>(
+    samples: impl Iterator<Item = (&'a String, &'a String)>,
+    reason: SkipReason,
+) -> Decoded {
     Decoded {
-        pixels: Bytes::new(),
-        samples: encoded
-            .iter()
-            .map(|s| SampleMeta {
-                key: s.key.clone(),
-                metadata: s.metadata.clone(),
-                skip: Some(reason),
-                ..SampleMeta::default()
-            })
-            .collect(),
-        route: "local",
-    }
-}
-
-fn all_skipped_refs(refs: &[SampleRef], reason: SkipReason) -> Decoded {
-    Decoded {
-        pixels: Bytes::new(),
-        samples: refs
-            .iter()
-            .map(|s| SampleMeta {
-                key: s.key.clone(),
-                metadata: s.metadata.clone(),
+        pixels: Pixels::InSlot,
+        samples: samples
+            .map(|(key, metadata)| SampleMeta {
+                key: key.clone(),
+                metadata: metadata.clone(),
                 skip: Some(reason),
                 ..SampleMeta::default()
             })
