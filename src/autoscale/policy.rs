@@ -694,15 +694,31 @@ fn place(
             continue;
         }
         let n = pods.len();
-        // A decoder that fills the limit on its own fills any node it moves to: the cure is
-        // more decoders (its rate is capped by its NIC), not churn.
-        let alone = decoder_link_share(policy, fleet, s, node, pods).unwrap_or(util) / n as f64;
-        if alone > limit {
+        // Moving shifts the moved decoders' traffic to another node. That helps when decoders
+        // share a node (the spread is uneven) or when other traffic fills it; a lone decoder
+        // that is the node's traffic, or one that fills the limit on its own, would fill its
+        // new node the same: the cure is more decoders (their rate is capped by the NIC).
+        let own = decoder_link_share(policy, fleet, s, node, pods).unwrap_or(util);
+        let alone = own / n as f64;
+        let others = (util - own).max(0.0);
+        let hopeless = if alone > limit {
+            Some(format!(
+                "each of its {n} decoders carries {} alone",
+                pct(alone)
+            ))
+        } else if n == 1 && others <= limit {
+            Some(format!(
+                "its decoder is most of its traffic (others {})",
+                pct(others)
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = hopeless {
             notes.push(format!(
-                "node {node} NIC {} > {}: each of its {n} decoders carries {} alone, moving cannot help",
+                "node {node} NIC {} > {}: {why}, moving cannot help",
                 pct(util),
                 pct(limit),
-                pct(alone)
             ));
             continue;
         }
@@ -1110,10 +1126,16 @@ mod tests {
                 ..Signals::default()
             }
         };
-        // The same node, but its decoder moves only 5/s: other traffic fills the NIC.
+        // The same node, but its decoder moves only 2/s: other traffic fills the NIC.
         let mut quiet_nic_bound = nic_bound(true);
         if let Some(decoder) = quiet_nic_bound.decoders.get_mut(&pod(0)) {
-            decoder.samples_per_second = 5.0;
+            decoder.samples_per_second = 2.0;
+        }
+        // A lone decoder at 14/s (30% of the link) on a node at 97%: others 67%, under the
+        // limit; moving it would only carry its traffic elsewhere.
+        let mut busy_lone = nic_bound(true);
+        if let Some(decoder) = busy_lone.decoders.get_mut(&pod(0)) {
+            decoder.samples_per_second = 8.0;
         }
         let one_decoder = AutoscalingPolicy {
             min_replicas: 1,
@@ -1202,6 +1224,17 @@ mod tests {
                 avoid: &["cpu-0"],
                 moved: &["decoder-00"],
                 reason: "node cpu-0 NIC 97% > 80%: moving 1 of 1 decoders",
+                ..Case::default()
+            },
+            Case {
+                name: "a lone decoder that is most of its node's traffic: not moved",
+                policy: one_decoder.clone(),
+                fleet: fleet(1, 1),
+                signals: Some(busy_lone),
+                replicas: 7,
+                starved: true,
+                avoid: &["cpu-0"],
+                reason: "node cpu-0 NIC 97% > 80%: its decoder is most of its traffic (others 67%), moving cannot help",
                 ..Case::default()
             },
             Case {
