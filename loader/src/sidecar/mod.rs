@@ -28,7 +28,7 @@ use crate::transform::Transform;
 use discovery::{DnsWorkers, KubeWorkers, StaticWorkers, WorkerDiscovery};
 use fleet::{DecoderFleet, FleetPolicy};
 use metrics::SidecarMetrics;
-use pipeline::{Delivery, Pipeline};
+use pipeline::{BusyTurns, Delivery, Pipeline};
 use plan::{PlanConfig, PlanError, Shard};
 use protocol::{GpuInfo, HelloInfo};
 use ring::{RingError, ShmRing};
@@ -379,6 +379,7 @@ pub async fn run(
             fleet: fleet.clone(),
             ring: ring.clone(),
             delivery: Delivery::default(),
+            busy_turns: BusyTurns::default(),
             metrics: metrics.clone(),
         });
         pipeline.set_local_share(local_share);

@@ -3,7 +3,7 @@
 //! publish it under its sequence number; the hand-off delivers sequence numbers in order
 //! (the reorder buffer), so every sample of the epoch reaches the trainer once, in plan order.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -93,6 +93,50 @@ impl Delivery {
     }
 }
 
+/// Batches waiting for a busy fleet, in sequence order. Only the oldest retries: the trainer
+/// needs it next, and batches that retried at random (each on its own backoff) left it waiting
+/// behind younger ones while the fleet was full, stalling the trainer for seconds.
+#[derive(Default)]
+pub struct BusyTurns {
+    waiting: Mutex<BTreeSet<u64>>,
+    notify: Notify,
+}
+
+/// Pause before the oldest waiting batch asks a full fleet again.
+const BUSY_PAUSE: Duration = Duration::from_millis(10);
+/// Longest a waiting batch sleeps before it looks again, should a wake-up be missed.
+const TURN_RECHECK: Duration = Duration::from_millis(500);
+
+impl BusyTurns {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<u64>> {
+        self.waiting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Waits until `seq` is the oldest batch waiting, then `pause` more.
+    pub async fn wait(&self, seq: u64, pause: Duration) {
+        self.lock().insert(seq);
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.lock().first() == Some(&seq) {
+                break;
+            }
+            let _ = tokio::time::timeout(TURN_RECHECK, notified).await;
+        }
+        tokio::time::sleep(pause).await;
+    }
+
+    /// `seq` is being sent: the next oldest takes its turn.
+    pub fn leave(&self, seq: u64) {
+        if self.lock().remove(&seq) {
+            self.notify.notify_waiters();
+        }
+    }
+}
+
 /// Everything the pipeline needs, shared by its tasks, the hand-off and the HTTP endpoints.
 pub struct Pipeline {
     pub bucket: String,
@@ -114,6 +158,7 @@ pub struct Pipeline {
     pub fleet: Arc<DecoderFleet>,
     pub ring: Arc<ShmRing>,
     pub delivery: Delivery,
+    pub busy_turns: BusyTurns,
     pub metrics: Arc<SidecarMetrics>,
 }
 
@@ -269,19 +314,28 @@ impl Pipeline {
             return self.decode_locally(refs, lease).await;
         }
         let mut tried: HashSet<String> = HashSet::new();
-        let mut round = 0u32;
+        let mut faults = 0u32;
+        let mut all_busy = true;
         loop {
             let Some(out) = self.fleet.pick(&tried) else {
                 if self.fleet.counts().available == 0 && self.local_fallback {
+                    self.busy_turns.leave(seq);
                     return self.decode_locally(refs, lease).await;
                 }
-                // Every available worker was tried (or is busy): pause, then go round again.
+                // Every available worker was tried: a full fleet frees a slot soon, a failing
+                // one is given time.
+                let pause = if all_busy {
+                    BUSY_PAUSE
+                } else {
+                    faults += 1;
+                    Duration::from_millis(20u64 << faults.min(5))
+                };
                 tried.clear();
-                round += 1;
-                let pause = Duration::from_millis(20u64 << round.min(5));
-                tokio::time::sleep(pause).await;
+                all_busy = true;
+                self.busy_turns.wait(seq, pause).await;
                 continue;
             };
+            self.busy_turns.leave(seq);
             let worker = out.worker().clone();
             let request = proto::DecodeBatchRequest {
                 batch_id,
@@ -332,6 +386,7 @@ impl Pipeline {
                     return (decoded, lease);
                 }
                 Err((reason, fault)) => {
+                    all_busy &= !fault;
                     self.metrics.retry(reason);
                     if fault && self.fleet.failed(&worker) {
                         tracing::warn!(worker = %worker.endpoint, "worker keeps failing; set aside");
@@ -438,6 +493,41 @@ pub fn count_delivered(metrics: &SidecarMetrics, header: &BatchHeader) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn batches_waiting_for_a_busy_fleet_take_turns_oldest_first() {
+        let turns = Arc::new(BusyTurns::default());
+        // Batch 1 waits first, alone: its turn at once; it holds the others until it leaves.
+        turns.wait(1, Duration::ZERO).await;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        // They start waiting youngest first; they must go oldest first.
+        for seq in [7u64, 5, 6] {
+            let (turns, tx) = (turns.clone(), tx.clone());
+            tokio::spawn(async move {
+                turns.wait(seq, Duration::ZERO).await;
+                tx.send(seq).unwrap();
+            });
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(rx.try_recv().is_err(), "none goes while batch 1 waits");
+        turns.leave(1);
+        let mut order = Vec::new();
+        for _ in 0..3 {
+            let seq = tokio::time::timeout(Duration::from_secs(2), rx.recv())
+                .await
+                .expect("a turn within the recheck")
+                .unwrap();
+            order.push(seq);
+            assert!(
+                tokio::time::timeout(Duration::from_millis(50), rx.recv())
+                    .await
+                    .is_err(),
+                "one turn at a time: {order:?}"
+            );
+            turns.leave(seq);
+        }
+        assert_eq!(order, [5, 6, 7]);
+    }
 
     #[tokio::test]
     async fn delivery_reorders_by_sequence() {
