@@ -38,6 +38,21 @@ pub const LOADER_IMAGE: &str = "ghcr.io/stoker-dev/stoker-loader:0.1.0";
 /// The image the node runtime maps to `demo/trainer.py`.
 pub const TRAINER_IMAGE: &str = "ghcr.io/stoker-dev/stoker-sim-trainer:0.1.0";
 
+/// CPU nodes' NICs in Mbit/s: 25 Gb/s scaled so that one decoder node cannot carry what the
+/// trainer consumes (~190 images/s at ~280 KB each, ~45/s fit) while eight together can.
+pub const CPU_NIC_MBIT: u32 = 100;
+/// GPU nodes' NICs: never the bottleneck in the story.
+pub const GPU_NIC_MBIT: u32 = 2000;
+
+/// Each node's NIC in Mbit/s: `gpu` for nodes with GPUs, `cpu` for the others.
+pub fn nic_mbit(cluster: &ControlPlane, cpu: u32, gpu: u32) -> BTreeMap<String, u32> {
+    cluster
+        .nodes()
+        .iter()
+        .map(|node| (node.name.clone(), if node.gpus > 0 { gpu } else { cpu }))
+        .collect()
+}
+
 /// The story's knobs. The defaults fit a 2-core machine: demand that one throttled NIC cannot
 /// carry, but that a few decoders spread over CPU nodes can.
 #[derive(Clone, Debug)]
@@ -71,7 +86,7 @@ impl Default for StoryOptions {
             recover_timeout: Duration::from_secs(240),
             settle: Duration::from_secs(20),
             fed_busy_pct: 85.0,
-            step_ms: 130,
+            step_ms: 85,
             batch_size: 16,
             image_size: 224,
             max_decoders: 8,

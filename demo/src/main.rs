@@ -3,7 +3,6 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 use stoker_demo::{Decision, StoryOptions, StoryReport, Tick};
@@ -33,10 +32,10 @@ struct Cli {
     #[arg(long, default_value = "demo-out")]
     out: PathBuf,
     /// Each CPU node's NIC, in Mbit/s (the simulated 25 Gb/s scaled to this machine).
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = stoker_demo::CPU_NIC_MBIT)]
     cpu_nic_mbit: u32,
     /// Each GPU node's NIC, in Mbit/s.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = stoker_demo::GPU_NIC_MBIT)]
     gpu_nic_mbit: u32,
     #[arg(long, default_value_t = 20)]
     baseline_secs: u64,
@@ -63,15 +62,7 @@ async fn main() -> Result<()> {
             ..Default::default()
         })
     })?;
-    let mut nic_mbit = BTreeMap::new();
-    for node in cluster.nodes() {
-        let mbit = if node.gpus > 0 {
-            cli.gpu_nic_mbit
-        } else {
-            cli.cpu_nic_mbit
-        };
-        nic_mbit.insert(node.name.clone(), mbit);
-    }
+    let nic_mbit = stoker_demo::nic_mbit(&cluster, cli.cpu_nic_mbit, cli.gpu_nic_mbit);
     println!(
         "starting: node runtime (a network namespace per node, NICs limited with tc: CPU nodes {} Mbit/s, GPU nodes {} Mbit/s)",
         cli.cpu_nic_mbit, cli.gpu_nic_mbit

@@ -1,5 +1,6 @@
 //! The story end to end, shortened: a synchronous trainer, then a DataPipeline whose autoscaler
-//! spreads decoders over NIC-limited nodes, one decoder killed once two serve, sixty whole epochs.
+//! spreads decoders over NIC-limited nodes, one decoder killed once two serve, a hundred whole
+//! epochs.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -12,8 +13,8 @@ use stoker_testenv::s3::S3ServerConfig;
 
 const IMAGES: usize = 96;
 const BATCH: usize = 16;
-/// Enough epochs for the trainer to outlast the scale-up and then run fed for a while.
-const EPOCHS: u32 = 60;
+/// Enough epochs for the trainer to outlast the scale-up and then run fed for half a minute.
+const EPOCHS: u32 = 100;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -55,10 +56,7 @@ async fn the_autoscaler_spreads_decoders_and_every_sample_arrives_once() {
     let work = tempfile::tempdir().expect("tempdir");
     let keys = dataset(work.path());
     let cp = ControlPlane::shared();
-    let mut nic_mbit = BTreeMap::new();
-    for node in cp.nodes() {
-        nic_mbit.insert(node.name.clone(), if node.gpus > 0 { 2000 } else { 50 });
-    }
+    let nic_mbit = stoker_demo::nic_mbit(cp, stoker_demo::CPU_NIC_MBIT, stoker_demo::GPU_NIC_MBIT);
     let runtime = tokio::task::block_in_place(|| {
         NodeRuntime::start(
             cp,
