@@ -102,8 +102,12 @@ pub struct BusyTurns {
     notify: Notify,
 }
 
-/// Pause before the oldest waiting batch asks a full fleet again.
+/// Pause before the oldest waiting batch asks a full fleet again (doubling to 8x while it stays
+/// full), unless a batch of ours comes back first. Other sidecars' batches free slots too, and
+/// only asking sees those.
 const BUSY_PAUSE: Duration = Duration::from_millis(10);
+/// A worker that has not refused a batch by then has taken it: the next in line may ask.
+const TAKEN_AFTER: Duration = Duration::from_millis(50);
 /// Longest a waiting batch sleeps before it looks again, should a wake-up be missed.
 const TURN_RECHECK: Duration = Duration::from_millis(500);
 
@@ -114,7 +118,8 @@ impl BusyTurns {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Waits until `seq` is the oldest batch waiting, then `pause` more.
+    /// Waits until `seq` is the oldest batch waiting, then `pause` more or until a slot frees.
+    /// `seq` stays in line until it [`leave`](Self::leave)s.
     pub async fn wait(&self, seq: u64, pause: Duration) {
         self.lock().insert(seq);
         loop {
@@ -122,18 +127,23 @@ impl BusyTurns {
             tokio::pin!(notified);
             notified.as_mut().enable();
             if self.lock().first() == Some(&seq) {
-                break;
+                let _ = tokio::time::timeout(pause, notified).await;
+                return;
             }
             let _ = tokio::time::timeout(TURN_RECHECK, notified).await;
         }
-        tokio::time::sleep(pause).await;
     }
 
-    /// `seq` is being sent: the next oldest takes its turn.
+    /// `seq` was taken by a worker (or goes elsewhere): the next oldest takes its turn.
     pub fn leave(&self, seq: u64) {
         if self.lock().remove(&seq) {
             self.notify.notify_waiters();
         }
+    }
+
+    /// A batch came back from a worker: its slot there is free for the oldest waiting.
+    pub fn slot_freed(&self) {
+        self.notify.notify_waiters();
     }
 }
 
@@ -315,6 +325,7 @@ impl Pipeline {
         }
         let mut tried: HashSet<String> = HashSet::new();
         let mut faults = 0u32;
+        let mut busy_rounds = 0u32;
         let mut all_busy = true;
         loop {
             let Some(out) = self.fleet.pick(&tried) else {
@@ -325,7 +336,8 @@ impl Pipeline {
                 // Every available worker was tried: a full fleet frees a slot soon, a failing
                 // one is given time.
                 let pause = if all_busy {
-                    BUSY_PAUSE
+                    busy_rounds += 1;
+                    BUSY_PAUSE * (1 << busy_rounds.min(4).saturating_sub(1))
                 } else {
                     faults += 1;
                     Duration::from_millis(20u64 << faults.min(5))
@@ -335,7 +347,6 @@ impl Pipeline {
                 self.busy_turns.wait(seq, pause).await;
                 continue;
             };
-            self.busy_turns.leave(seq);
             let worker = out.worker().clone();
             let request = proto::DecodeBatchRequest {
                 batch_id,
@@ -352,9 +363,18 @@ impl Pipeline {
             };
             let outcome = match worker.client().await {
                 Ok(mut client) => {
-                    match tokio::time::timeout(self.batch_timeout, client.decode_batch(request))
-                        .await
-                    {
+                    let call = async {
+                        let call = client.decode_batch(request);
+                        tokio::pin!(call);
+                        tokio::select! {
+                            answer = &mut call => answer,
+                            () = tokio::time::sleep(TAKEN_AFTER) => {
+                                self.busy_turns.leave(seq);
+                                call.await
+                            }
+                        }
+                    };
+                    match tokio::time::timeout(self.batch_timeout, call).await {
                         Ok(Ok(reply)) if reply.samples.len() == refs.len() => Ok(reply),
                         Ok(Ok(_)) => Err(("bad_reply", true)),
                         Ok(Err(status)) => Err(match status.code() {
@@ -369,6 +389,10 @@ impl Pipeline {
                 Err(_) => Err(("connect", true)),
             };
             drop(out);
+            if !matches!(outcome, Err(("busy", _))) {
+                self.busy_turns.leave(seq);
+                self.busy_turns.slot_freed();
+            }
             match outcome {
                 Ok(mut reply) => {
                     self.fleet.succeeded(&worker);
@@ -391,7 +415,12 @@ impl Pipeline {
                     if fault && self.fleet.failed(&worker) {
                         tracing::warn!(worker = %worker.endpoint, "worker keeps failing; set aside");
                     }
-                    tracing::info!(worker = %worker.endpoint, batch_id, reason, "batch failed; re-sending");
+                    if fault {
+                        tracing::info!(worker = %worker.endpoint, batch_id, reason, "batch failed; re-sending");
+                    } else {
+                        // A full worker is routine while the fleet is short: counted, not logged.
+                        tracing::debug!(worker = %worker.endpoint, batch_id, "worker busy; asking again");
+                    }
                     tried.insert(worker.endpoint.clone());
                 }
             }
