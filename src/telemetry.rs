@@ -44,6 +44,7 @@ pub struct Metrics {
     duration: Histogram,
     fleet: Family<FleetLabels, Gauge>,
     webhook: Family<ResultLabel, Counter>,
+    children: Family<ResultLabel, Counter>,
     leader: Gauge,
     ready: AtomicBool,
     /// Every input signal and decision of the autoscaler, under `stoker_autoscaler_`.
@@ -58,6 +59,7 @@ impl Default for Metrics {
         let duration = Histogram::new(exponential_buckets(0.001, 1.5, 24));
         let fleet = Family::<FleetLabels, Gauge>::default();
         let webhook = Family::<ResultLabel, Counter>::default();
+        let children = Family::<ResultLabel, Counter>::default();
         let leader = Gauge::default();
         registry.register("reconciles", "DataPipeline reconciles", reconciles.clone());
         registry.register(
@@ -81,6 +83,11 @@ impl Default for Metrics {
             webhook.clone(),
         );
         registry.register(
+            "child_applies",
+            "Children (ConfigMap, Service, NetworkPolicy, Role, RoleBinding) a reconcile applied, or found already as built",
+            children.clone(),
+        );
+        registry.register(
             "leader",
             "1 while this replica runs the controller",
             leader.clone(),
@@ -93,6 +100,7 @@ impl Default for Metrics {
             duration,
             fleet,
             webhook,
+            children,
             leader,
             ready: AtomicBool::new(false),
             autoscaler,
@@ -104,6 +112,18 @@ impl Metrics {
     pub fn reconciled(&self, seconds: f64) {
         self.reconciles.inc();
         self.duration.observe(seconds);
+    }
+
+    /// One reconcile's children: `true` for each it applied, `false` for each already as built.
+    pub fn children_applied(&self, applied: &[bool]) {
+        for &a in applied {
+            let result = if a { "applied" } else { "unchanged" };
+            self.children
+                .get_or_create(&ResultLabel {
+                    result: result.to_string(),
+                })
+                .inc();
+        }
     }
 
     pub fn reconcile_error(&self, category: &str) {

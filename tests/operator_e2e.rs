@@ -248,6 +248,28 @@ async fn deleted_decoder_is_replaced_and_restart_changes_nothing() {
         "restart changed objects"
     );
 
+    // Children edited or deleted by hand are put back (the reconcile skips only children that
+    // are still as it built them).
+    let cms: Api<ConfigMap> = Api::namespaced(ns.client.clone(), &ns.name);
+    let built = cms.get("coco-config").await.expect("config").data;
+    cms.patch(
+        "coco-config",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"data": {"pipeline.json": "{}"}})),
+    )
+    .await
+    .expect("edit the config by hand");
+    let nps: Api<NetworkPolicy> = Api::namespaced(ns.client.clone(), &ns.name);
+    nps.delete("coco-decoders", &DeleteParams::default())
+        .await
+        .expect("delete the network policy");
+    eventually("hand edits undone", Duration::from_secs(30), || async {
+        let restored = cms.get("coco-config").await.ok()?.data == built;
+        let recreated = nps.get_opt("coco-decoders").await.ok()??;
+        (restored && recreated.metadata.deletion_timestamp.is_none()).then_some(())
+    })
+    .await;
+
     // A changed pod spec rolls the fleet one decoder at a time.
     dps.patch(
         "coco",

@@ -12,18 +12,19 @@ pub mod status;
 pub mod trainers;
 pub mod validate;
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 pub use error::Error;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::Reporter;
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
@@ -45,6 +46,29 @@ pub struct Context {
     pub resync: Duration,
     /// `None`: no autoscaling; pipelines in `auto` mode run `decoders.minReplicas`.
     pub autoscaler: Option<autoscaling::AutoscalerHandle>,
+    /// The running controller's caches of the children; `None` outside [`run`].
+    children: RwLock<Option<ChildStores>>,
+}
+
+/// What the controller's watches last saw of the children it applies: a child that already is
+/// what the reconcile builds is not applied again (see [`apply::apply_child`]).
+#[derive(Clone)]
+pub struct ChildStores {
+    pub config_maps: Store<ConfigMap>,
+    pub services: Store<Service>,
+    pub network_policies: Store<NetworkPolicy>,
+    pub roles: Store<Role>,
+    pub role_bindings: Store<RoleBinding>,
+}
+
+impl ChildStores {
+    /// The cached copy of `obj`, by namespace and name.
+    pub fn live<K>(store: &Store<K>, obj: &K) -> Option<Arc<K>>
+    where
+        K: kube::Resource<DynamicType = ()> + Clone,
+    {
+        store.get(&ObjectRef::from_obj(obj))
+    }
 }
 
 impl Context {
@@ -59,7 +83,23 @@ impl Context {
             },
             resync: Duration::from_secs(300),
             autoscaler: None,
+            children: RwLock::new(None),
         }
+    }
+
+    /// The running controller's child caches, `None` before it runs.
+    pub fn children(&self) -> Option<ChildStores> {
+        self.children
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set_children(&self, stores: Option<ChildStores>) {
+        *self
+            .children
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = stores;
     }
 
     pub fn with_autoscaler(mut self, autoscaler: Option<autoscaling::AutoscalerHandle>) -> Self {
@@ -88,6 +128,45 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     }
     let ns = namespace.as_deref();
     let managed = watcher::Config::default().labels("app.kubernetes.io/managed-by=stoker-operator");
+    // Each child kind: a cache for the reconcile, and its changes as triggers.
+    fn cached<K>(
+        api: Api<K>,
+        config: &watcher::Config,
+    ) -> (
+        Store<K>,
+        impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+    )
+    where
+        K: kube::Resource<DynamicType = ()>
+            + Clone
+            + std::fmt::Debug
+            + serde::de::DeserializeOwned
+            + Send
+            + Sync
+            + 'static,
+    {
+        let (store, writer) = reflector::store();
+        let stream = watcher(api, config.clone())
+            .default_backoff()
+            .reflect(writer)
+            .touched_objects();
+        (store, stream)
+    }
+    let (config_maps, config_map_changes) = cached(scoped::<ConfigMap>(&client, ns), &managed);
+    let (services, service_changes) = cached(scoped::<Service>(&client, ns), &managed);
+    let (network_policies, network_policy_changes) =
+        cached(scoped::<NetworkPolicy>(&client, ns), &managed);
+    let (roles, role_changes) = cached(scoped::<Role>(&client, ns), &managed);
+    let (role_bindings, role_binding_changes) =
+        cached(scoped::<RoleBinding>(&client, ns), &managed);
+    ctx.set_children(Some(ChildStores {
+        config_maps,
+        services,
+        network_policies,
+        roles,
+        role_bindings,
+    }));
+    let running = ctx.clone();
     Controller::new(
         scoped::<DataPipeline>(&client, ns),
         watcher::Config::default(),
@@ -96,9 +175,11 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         scoped::<Pod>(&client, ns),
         watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_DECODER}")),
     )
-    .owns(scoped::<Service>(&client, ns), managed.clone())
-    .owns(scoped::<ConfigMap>(&client, ns), managed.clone())
-    .owns(scoped::<NetworkPolicy>(&client, ns), managed)
+    .owns_stream(config_map_changes)
+    .owns_stream(service_changes)
+    .owns_stream(network_policy_changes)
+    .owns_stream(role_changes)
+    .owns_stream(role_binding_changes)
     // Trainer pods are not owned, but their count and injection show in the status.
     .watches(
         scoped::<Pod>(&client, ns),
@@ -114,4 +195,6 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     .run(reconcile::reconcile, error_policy, ctx)
     .for_each(|_| futures::future::ready(()))
     .await;
+    // A later run (a regained lease) starts from fresh caches, never from these stale ones.
+    running.set_children(None);
 }

@@ -13,7 +13,10 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Resource, ResourceExt};
 
 use super::build::{config_map, decoder_pod, network_policy, service, sidecar_rbac};
-use super::{Context, Error, FIELD_MANAGER, apply, autoscaling, fleet, status, trainers, validate};
+use super::{
+    ChildStores, Context, Error, FIELD_MANAGER, apply, autoscaling, fleet, status, trainers,
+    validate,
+};
 use crate::api::v1alpha1::AutoscalingMode;
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
 
@@ -149,13 +152,43 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
 
     // apply
     let client = &ctx.client;
-    futures::try_join!(
-        apply::apply(client, &config, FIELD_MANAGER),
-        apply::apply(client, &svc, FIELD_MANAGER),
-        apply::apply(client, &policy, FIELD_MANAGER),
-        apply::apply(client, &role, FIELD_MANAGER),
-        apply::apply(client, &binding, FIELD_MANAGER),
+    // The watches' copies: children already as built are not applied again.
+    let cached = ctx.children();
+    let cached = cached.as_ref();
+    let applied = futures::try_join!(
+        apply::apply_child(
+            client,
+            &config,
+            cached.and_then(|c| ChildStores::live(&c.config_maps, &config)),
+            FIELD_MANAGER
+        ),
+        apply::apply_child(
+            client,
+            &svc,
+            cached.and_then(|c| ChildStores::live(&c.services, &svc)),
+            FIELD_MANAGER
+        ),
+        apply::apply_child(
+            client,
+            &policy,
+            cached.and_then(|c| ChildStores::live(&c.network_policies, &policy)),
+            FIELD_MANAGER
+        ),
+        apply::apply_child(
+            client,
+            &role,
+            cached.and_then(|c| ChildStores::live(&c.roles, &role)),
+            FIELD_MANAGER
+        ),
+        apply::apply_child(
+            client,
+            &binding,
+            cached.and_then(|c| ChildStores::live(&c.role_bindings, &binding)),
+            FIELD_MANAGER
+        ),
     )?;
+    let (a, b, c, d, e) = applied;
+    ctx.metrics.children_applied(&[a, b, c, d, e]);
     let avoid = ctx
         .autoscaler
         .as_ref()
