@@ -13,9 +13,15 @@ def main(timeline_path, png_path):
     report = json.load(open(timeline_path))
     ticks = report["ticks"]
     t = [x["t"] for x in ticks]
+    # A tick without a trainer report (its pod starting, or one batch taking the whole tick)
+    # is a gap, not 0 % busy and 0 % waiting.
+    reported = [x["busy_pct"] + x["wait_pct"] > 0 for x in ticks]
+    gap = float("nan")
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
-    ax1.plot(t, [x["busy_pct"] for x in ticks], label="GPU busy %", color="tab:green", lw=2)
-    ax1.plot(t, [x["wait_pct"] for x in ticks], label="data wait %", color="tab:red")
+    busy = [x["busy_pct"] if r else gap for x, r in zip(ticks, reported)]
+    wait = [x["wait_pct"] if r else gap for x, r in zip(ticks, reported)]
+    ax1.plot(t, busy, label="GPU busy %", color="tab:green", lw=2, marker=".")
+    ax1.plot(t, wait, label="data wait %", color="tab:red", marker=".")
     ax1.plot(t, [x["busiest_nic_pct"] for x in ticks], label="busiest NIC %", color="tab:orange", ls="--")
     ax1.set_ylim(0, 105)
     ax1.set_ylabel("%")

@@ -191,20 +191,25 @@ pub async fn write(
         "kind": "DataPipeline",
         "status": status,
     });
-    api.patch_status(
-        &dp.name_any(),
-        &PatchParams::apply(field_manager).force(),
-        &Patch::Apply(&body),
-    )
-    .await
-    .map_err(|source| Error::Kube {
-        verb: "patch status of",
-        kind: "DataPipeline",
-        namespace: dp.namespace().unwrap_or_default(),
-        name: dp.name_any(),
-        source,
-    })?;
-    Ok(true)
+    match api
+        .patch_status(
+            &dp.name_any(),
+            &PatchParams::apply(field_manager).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+    {
+        Ok(_) => Ok(true),
+        // Deleted while this reconcile ran: nothing left to report on.
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
+        Err(source) => Err(Error::Kube {
+            verb: "patch status of",
+            kind: "DataPipeline",
+            namespace: dp.namespace().unwrap_or_default(),
+            name: dp.name_any(),
+            source,
+        }),
+    }
 }
 
 #[cfg(test)]
