@@ -153,7 +153,7 @@ fn counter(metrics: &str, name: &str) -> f64 {
         .lines()
         .filter(|l| l.starts_with(name) && !l.starts_with('#'))
         .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
-        .sum()
+        .fold(0.0, |sum, v| sum + v)
 }
 
 impl Drop for Operator {

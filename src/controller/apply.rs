@@ -13,16 +13,28 @@ use sha2::{Digest, Sha256};
 use super::Error;
 use crate::api::{ANNOTATION_DRAIN_STARTED, LABEL_DRAINING};
 
-/// Applies one child with the operator's field manager. Applying an object that is already
-/// right changes nothing on the server (no new resourceVersion).
-pub async fn apply<K>(client: &Client, obj: &K, field_manager: &str) -> Result<K, Error>
-where
+/// A namespaced object the operator applies.
+pub trait Child:
+    Resource<Scope = NamespaceResourceScope, DynamicType = ()>
+    + Clone
+    + Serialize
+    + DeserializeOwned
+    + std::fmt::Debug
+{
+}
+
+impl<K> Child for K where
     K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
         + Clone
         + Serialize
         + DeserializeOwned
-        + std::fmt::Debug,
+        + std::fmt::Debug
 {
+}
+
+/// Applies one child with the operator's field manager. Applying an object that is already
+/// right changes nothing on the server (no new resourceVersion).
+pub async fn apply<K: Child>(client: &Client, obj: &K, field_manager: &str) -> Result<K, Error> {
     let namespace = obj.namespace().unwrap_or_default();
     let name = obj.name_any();
     let api: Api<K> = Api::namespaced(client.clone(), &namespace);
@@ -58,19 +70,12 @@ pub const ANNOTATION_APPLIED_HASH: &str = "stoker.dev/applied-hash";
 /// Applies `obj` unless `live`, the watch's copy, already is what applying would make it: then
 /// the reconcile saves the round trip (five a pipeline, every resync). Returns whether it
 /// applied.
-pub async fn apply_child<K>(
+pub async fn apply_child<K: Child>(
     client: &Client,
     obj: &K,
     live: Option<std::sync::Arc<K>>,
     field_manager: &str,
-) -> Result<bool, Error>
-where
-    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
-        + Clone
-        + Serialize
-        + DeserializeOwned
-        + std::fmt::Debug,
-{
+) -> Result<bool, Error> {
     let stamped = stamp_applied_hash(obj);
     if live.is_some_and(|live| unchanged(&stamped, &live)) {
         return Ok(false);
@@ -111,16 +116,32 @@ pub fn unchanged<K: Resource + Serialize>(stamped: &K, live: &K) -> bool {
 }
 
 /// Whether every field of `built` has the same value in `live`; lists must match in length
-/// and element by element.
+/// and element by element. A field the server leaves out matches a built zero value (`false`,
+/// `0`, `""`, empty): Go's `omitempty` drops those, so `publishNotReadyAddresses: false` never
+/// comes back.
 fn covers(live: &Value, built: &Value) -> bool {
     match (live, built) {
-        (Value::Object(live), Value::Object(built)) => built
-            .iter()
-            .all(|(k, b)| live.get(k).is_some_and(|l| covers(l, b))),
+        (Value::Object(live), Value::Object(built)) => {
+            built.iter().all(|(k, b)| match live.get(k) {
+                Some(l) => covers(l, b),
+                None => is_zero(b),
+            })
+        }
         (Value::Array(live), Value::Array(built)) => {
             live.len() == built.len() && live.iter().zip(built).all(|(l, b)| covers(l, b))
         }
         _ => live == built,
+    }
+}
+
+fn is_zero(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
     }
 }
 
@@ -231,6 +252,23 @@ mod tests {
         assert!(
             !unchanged(&smaller, &served(&stamped)),
             "a field the build no longer sets"
+        );
+
+        // The server leaves out zero values (Go's omitempty): they still match.
+        let mut with_default = built();
+        with_default.immutable = Some(false);
+        let with_default = stamp_applied_hash(&with_default);
+        let mut omitted = served(&with_default);
+        omitted.immutable = None;
+        assert!(
+            unchanged(&with_default, &omitted),
+            "false, left out by the server"
+        );
+        let mut flipped = omitted.clone();
+        flipped.immutable = Some(true);
+        assert!(
+            !unchanged(&with_default, &flipped),
+            "true is not the default"
         );
 
         let mut deleting = served(&stamped);
