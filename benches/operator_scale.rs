@@ -250,6 +250,22 @@ async fn main() {
             }
         }
     });
+    // Every decoder pod that ever exists: a reconcile reading a cache that lags its own creates
+    // would make more than asked for (and delete the surplus later).
+    let decoder_uids = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let pod_watch = tokio::spawn({
+        let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), ns);
+        let uids = decoder_uids.clone();
+        async move {
+            let decoders = watcher::Config::default().labels("stoker.dev/role=decoder");
+            let mut stream = watcher(pods, decoders).touched_objects().boxed();
+            while let Some(Ok(pod)) = stream.next().await {
+                if let Some(uid) = pod.metadata.uid {
+                    uids.lock().expect("uids").insert(uid);
+                }
+            }
+        }
+    });
     let mut created: BTreeMap<String, Instant> = BTreeMap::new();
     let t0 = Instant::now();
     for i in 0..pipelines {
@@ -338,7 +354,12 @@ async fn main() {
         peak_rss as f64 / 1024.0,
         final_rss as f64 / 1024.0
     );
+    println!(
+        "decoder pods ever created: {} for {pods} asked for",
+        decoder_uids.lock().expect("uids").len()
+    );
     watch.abort();
+    pod_watch.abort();
     drop(operator);
 
     // Steady state: a restarted operator reconciles every pipeline once with nothing to

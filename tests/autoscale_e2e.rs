@@ -2,7 +2,9 @@
 //! Prometheus that scrapes an exporter whose series the test drives, and scales a
 //! `DataPipeline` on the real control plane (KWOK nodes). A starved trainer grows the decoder
 //! fleet in one step to what the policy computes, with `status.lastScale` and an Event saying
-//! why; S3 throttling holds a further scale-up back; a Prometheus outage keeps the size.
+//! why; S3 throttling holds a further scale-up back; a full trainer-node NIC sets
+//! `NetworkSaturated` and writes the sidecar's local-decode share on the trainer pod; a
+//! Prometheus outage keeps the size.
 //!
 //! Needs the control plane binaries (`scripts/tools.sh`) and `prometheus` (`scripts/deps.sh`).
 
@@ -43,6 +45,8 @@ const DECODED: f64 = 602_112.0;
 const ENCODED: f64 = 100_000.0;
 /// Every NIC carries 1 MB/s of its 25 Gb/s: far from any limit.
 const NIC_BYTES: f64 = 1.0e6;
+/// The trainer node's link in the NIC phase, bytes/s: small enough for the trainer's demand.
+const TRAINER_LINK: f64 = 250.0e6;
 
 /// Decoders the policy asks for: the trainers' demand unstarved, `delivered ÷ (1 − wait)`, with
 /// the default headroom, over one decoder's rate.
@@ -87,14 +91,13 @@ fn drive_decoder(exporter: &Exporter, ns: &str, pod: &str) {
 }
 
 /// A trainer of the pipeline as the operator finds it: the pipeline and role labels on a pod
-/// on a GPU node. Without the webhook's sidecar: nothing dials its KWOK pod IP, which is not on
-/// loopback.
+/// on a GPU node, marked as injected (the webhook is not part of this test).
 fn trainer_pod() -> Pod {
     serde_json::from_value(serde_json::json!({
         "metadata": {
             "name": TRAINER,
             "labels": {"stoker.dev/pipeline": PIPELINE, "stoker.dev/role": "trainer"},
-            "annotations": {"stoker.dev/world-size": "1"},
+            "annotations": {"stoker.dev/world-size": "1", "stoker.dev/injected": "true"},
         },
         "spec": {
             "nodeSelector": {"stoker.dev/pool": "gpu"},
@@ -378,6 +381,60 @@ async fn a_starved_trainer_scales_decoders_from_prometheus_signals() {
         "no scaling decision while throttled: {messages:?}"
     );
     step("S3 throttled: held at 7 where 9 were needed");
+
+    // The trainer node's own NIC fills (a 250 MB/s link at 95%): more decoders cannot help, so
+    // the sidecar is told to decode a share itself, through its pod's annotation.
+    let trainer_node = pods
+        .get(TRAINER)
+        .await
+        .expect("trainer")
+        .spec
+        .and_then(|s| s.node_name)
+        .expect("trainer scheduled");
+    let trainer_nic = nic_labels(&trainer_node, "eth0");
+    exporter.gauge("node_network_speed_bytes", &trainer_nic, TRAINER_LINK);
+    exporter.counter(
+        "node_network_receive_bytes_total",
+        &trainer_nic,
+        0.95 * TRAINER_LINK,
+    );
+    let share = eventually(
+        "the trainer pod's local-share annotation",
+        Duration::from_secs(30),
+        || async {
+            let pod = pods.get(TRAINER).await.ok()?;
+            let share: f64 = pod
+                .annotations()
+                .get("stoker.dev/local-share")?
+                .parse()
+                .ok()?;
+            (share > 0.0).then_some(share)
+        },
+    )
+    .await;
+    // The share that brings the node under the limit: demand × (decoded − share × (decoded −
+    // encoded)) = 80% of the link.
+    let demand = delivered / (1.0 - DATA_WAIT);
+    let relieving = (demand * DECODED - 0.8 * TRAINER_LINK) / (demand * (DECODED - ENCODED));
+    // Rates from scrapes skew the demand by a few percent, and the share moves ~0.02 per 1%.
+    assert!(
+        (share - relieving).abs() < 0.1,
+        "share {share}, want {relieving:.3}"
+    );
+    let dp = dps.get(PIPELINE).await.expect("pipeline");
+    let saturated = condition(&dp, "NetworkSaturated").expect("NetworkSaturated");
+    assert_eq!(saturated.status, "True", "{}", saturated.message);
+    assert!(
+        saturated.message.contains(&trainer_node),
+        "the condition names the node: {}",
+        saturated.message
+    );
+    assert_eq!(
+        dp.status.as_ref().map(|s| s.decoders.desired),
+        Some(expected),
+        "no scale-up behind a full trainer NIC"
+    );
+    step("trainer NIC full: NetworkSaturated, local share in the pod's annotation");
 
     // Prometheus goes away: the size stays, and the status says the signals are missing.
     tokio::task::block_in_place(|| scraped.stop_prometheus());

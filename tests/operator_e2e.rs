@@ -32,11 +32,15 @@ async fn decoders_spread_scale_without_restarts_and_drain() {
     install_crd(&ns.client).await;
     let op = Operator::start(ns.client.clone(), &ns.name, None).await;
     let dps: Api<DataPipeline> = Api::namespaced(ns.client.clone(), &ns.name);
+    let ever = DecodersEverSeen::watch(&ns.client, &ns.name, "imagenet").await;
     dps.create(&PostParams::default(), &pipeline("imagenet", 4, 3))
         .await
         .expect("create pipeline");
 
     let four = wait_ready_decoders(&ns.client, &ns.name, "imagenet", 4).await;
+    // The reconciles that follow a create read pods from a cache that may not show them yet:
+    // none may create a pod twice.
+    assert_eq!(ever.count(), 4, "pods created beyond the four asked for");
     assert!(
         skew_over_cpu_nodes(&four) <= 1,
         "spread: {:?}",
@@ -102,6 +106,7 @@ async fn decoders_spread_scale_without_restarts_and_drain() {
         uids(&four).is_subset(&uids(&ten)),
         "scale-up restarted a decoder"
     );
+    assert_eq!(ever.count(), 10, "pods created beyond the ten asked for");
     assert!(
         skew_over_cpu_nodes(&ten) <= 1,
         "spread: {:?}",
@@ -144,6 +149,7 @@ async fn decoders_spread_scale_without_restarts_and_drain() {
         uids(&three).is_subset(&uids(&ten)),
         "scale-down restarted a decoder"
     );
+    assert_eq!(ever.count(), 10, "scale-down created pods");
     assert_eq!(
         per_node(&three).len(),
         3,

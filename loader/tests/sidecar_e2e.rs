@@ -7,8 +7,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
 use sidecar_support::*;
 use stoker_loader::sidecar::protocol::Reply;
+use stoker_testenv::cluster::ControlPlane;
 use stoker_testenv::s3::S3Server;
 
 /// Two cores run these: one test at a time keeps the timing assertions meaningful.
@@ -314,14 +318,62 @@ fn corrupt_and_missing_objects_reach_the_trainer_as_skips() {
     );
 }
 
+/// Sets the `stoker.dev/local-share` annotation on a pod, as the operator's autoscaler does.
+fn annotate_share(rt: &tokio::runtime::Runtime, pods: &Api<Pod>, pod: &str, share: &str) {
+    let patch =
+        serde_json::json!({ "metadata": { "annotations": { "stoker.dev/local-share": share } } });
+    rt.block_on(pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch)))
+        .expect("annotate trainer pod");
+}
+
+fn eventually_share(sc: &SidecarProc, want: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = http(sc.http, "GET", "/local-share", "").1;
+        if got.trim() == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "local share {got:?}, want {want}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
-fn readiness_metrics_and_the_local_share_endpoint() {
+fn readiness_metrics_and_the_local_share_from_the_pods_annotation() {
     let _g = serial();
     let dir = tempfile::tempdir().unwrap();
     let server = S3Server::start(dir.path().join("s3")).unwrap();
     dataset(&server, 40, 64, 48);
     let w = decode_worker(&server);
-    let sc = sidecar(&server, dir.path(), &[&w], &["--prefetch-batches", "2"]);
+    // The sidecar's own pod on a real API server: the operator changes the share there.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let cp = ControlPlane::shared();
+    let ns = rt.block_on(cp.namespace("sidecar-share"));
+    let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    let trainer: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "trainer-0" },
+        "spec": { "containers": [{ "name": "train", "image": "trainer:test" }] }
+    }))
+    .unwrap();
+    rt.block_on(pods.create(&PostParams::default(), &trainer))
+        .expect("trainer pod");
+    let sc = sidecar_with_env(
+        &server,
+        dir.path(),
+        &[&w],
+        &[
+            "--prefetch-batches",
+            "2",
+            "--pod-name",
+            "trainer-0",
+            "--workers-namespace",
+            &ns.name,
+        ],
+        &[("KUBECONFIG", cp.kubeconfig_path().as_os_str())],
+    );
     assert_eq!(
         http(sc.http, "GET", "/readyz", "").0,
         200,
@@ -338,9 +390,14 @@ fn readiness_metrics_and_the_local_share_endpoint() {
         assert_eq!(b.route, "remote");
         c.release(b.slot).unwrap();
     }
-    assert_eq!(http(sc.http, "PUT", "/local-share", "1.5").0, 400);
-    assert_eq!(http(sc.http, "PUT", "/local-share", "1").0, 200);
-    assert_eq!(http(sc.http, "GET", "/local-share", "").1.trim(), "1");
+    // Nothing on the network may change the share; the pod's annotation does, within 0..=1.
+    assert_eq!(http(sc.http, "PUT", "/local-share", "1").0, 405);
+    assert_eq!(http(sc.http, "GET", "/local-share", "").1.trim(), "0");
+    annotate_share(&rt, &pods, "trainer-0", "1.5");
+    annotate_share(&rt, &pods, "trainer-0", "0.5");
+    eventually_share(&sc, "0.5");
+    annotate_share(&rt, &pods, "trainer-0", "1");
+    eventually_share(&sc, "1");
     // Batches already prefetched may still come from the worker; after them, all are local.
     let mut routes = Vec::new();
     for _ in 0..7 {

@@ -168,13 +168,14 @@ fn pod_err(verb: &'static str, api: &Api<Pod>, name: &str, source: kube::Error) 
 }
 
 /// Takes a decoder out of discovery: the label change drops it from the Service selector and
-/// from the sidecars' selector; it is deleted once its drain period has passed.
+/// from the sidecars' selector; it is deleted once its drain period has passed. Returns the
+/// drained pod, `None` when it was already gone.
 pub async fn drain(
     api: &Api<Pod>,
     name: &str,
     field_manager: &str,
     now: Timestamp,
-) -> Result<(), Error> {
+) -> Result<Option<Pod>, Error> {
     let patch = json!({
         "metadata": {
             "labels": { LABEL_DRAINING: "true" },
@@ -186,8 +187,8 @@ pub async fn drain(
         ..PatchParams::default()
     };
     match api.patch(name, &params, &Patch::Merge(&patch)).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Ok(pod) => Ok(Some(pod)),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(None),
         Err(e) => Err(pod_err("drain", api, name, e)),
     }
 }

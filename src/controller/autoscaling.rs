@@ -10,7 +10,7 @@ use kube::Client;
 use kube::api::{Api, ListParams};
 
 use super::Error;
-use super::local_share::LocalShareSender;
+use super::local_share;
 use super::reconcile::Observed;
 use super::trainers;
 use crate::api::DataPipeline;
@@ -27,7 +27,6 @@ pub struct AutoscalerHandle {
     /// Per pipeline, the nodes the last decision keeps new decoders off.
     avoid: Mutex<BTreeMap<String, Vec<String>>>,
     metrics: AutoscalerMetrics,
-    local_share: LocalShareSender,
 }
 
 impl AutoscalerHandle {
@@ -41,7 +40,6 @@ impl AutoscalerHandle {
             state: Mutex::new(Autoscaler::default()),
             avoid: Mutex::new(BTreeMap::new()),
             metrics,
-            local_share: LocalShareSender::new().map_err(|e| SignalError::Client(e.to_string()))?,
         })
     }
 
@@ -117,9 +115,13 @@ impl AutoscalerHandle {
         self.metrics.record(&namespace, &name, &decision);
         // In recommend mode the decision is recorded, never acted on.
         if dp.spec.autoscaling.mode == AutoscalingMode::Auto {
-            self.local_share
-                .send(&key, &observed.trainers, decision.local_decode_share)
-                .await;
+            local_share::tell(
+                client,
+                &namespace,
+                &observed.trainers,
+                decision.local_decode_share,
+            )
+            .await;
         }
         lock(&self.avoid).insert(key, decision.avoid_nodes.clone());
         Ok(Some(decision))
@@ -142,7 +144,6 @@ impl AutoscalerHandle {
         let key = pipeline_key(dp);
         lock(&self.state).forget(&key);
         lock(&self.avoid).remove(&key);
-        self.local_share.forget(&key);
         self.metrics.forget(
             dp.metadata.namespace.as_deref().unwrap_or_default(),
             dp.metadata.name.as_deref().unwrap_or_default(),

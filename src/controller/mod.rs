@@ -5,6 +5,7 @@ pub mod apply;
 pub mod autoscaling;
 pub mod build;
 mod error;
+pub mod expectations;
 pub mod fleet;
 pub mod local_share;
 pub mod reconcile;
@@ -53,12 +54,17 @@ pub struct Context {
     pub autoscaler: Option<autoscaling::AutoscalerHandle>,
     /// The running controller's caches of the children; `None` outside [`run`].
     children: RwLock<Option<ChildStores>>,
+    /// Pod writes the pod caches may not show yet.
+    pub pod_writes: expectations::PodExpectations,
 }
 
-/// What the controller's watches last saw of the children it applies: a child that already is
+/// What the controller's watches last saw of the pipelines' pods and of the children it applies:
+/// a reconcile reads its pods from here rather than listing them, and a child that already is
 /// what the reconcile builds is not applied again (see [`apply::apply_child`]).
 #[derive(Clone)]
 pub struct ChildStores {
+    pub decoders: Store<Pod>,
+    pub trainers: Store<Pod>,
     pub config_maps: Store<ConfigMap>,
     pub services: Store<Service>,
     pub network_policies: Store<NetworkPolicy>,
@@ -73,6 +79,29 @@ impl ChildStores {
         K: kube::Resource<DynamicType = ()> + Clone,
     {
         store.get(&ObjectRef::from_obj(obj))
+    }
+
+    /// Whether both pod caches hold a complete first list: until then a reconcile lists.
+    pub fn pods_ready(&self) -> bool {
+        use futures::FutureExt;
+        let ready = |s: &Store<Pod>| {
+            s.wait_until_ready()
+                .now_or_never()
+                .is_some_and(|r| r.is_ok())
+        };
+        ready(&self.decoders) && ready(&self.trainers)
+    }
+
+    /// One pipeline's cached pods.
+    pub fn pods_of(store: &Store<Pod>, namespace: &str, pipeline: &str) -> Vec<Pod> {
+        store
+            .state_filter(|p| {
+                p.namespace().as_deref() == Some(namespace)
+                    && p.labels().get(LABEL_PIPELINE).map(String::as_str) == Some(pipeline)
+            })
+            .into_iter()
+            .map(Arc::unwrap_or_clone)
+            .collect()
     }
 }
 
@@ -89,6 +118,7 @@ impl Context {
             resync: Duration::from_secs(300),
             autoscaler: None,
             children: RwLock::new(None),
+            pod_writes: expectations::PodExpectations::default(),
         }
     }
 
@@ -151,12 +181,18 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
             + 'static,
     {
         let (store, writer) = reflector::store();
+        // managedFields are much of an object's bytes and nothing here reads them.
         let stream = watcher(api, config.clone())
             .default_backoff()
+            .modify(|o| o.managed_fields_mut().clear())
             .reflect(writer)
             .touched_objects();
         (store, stream)
     }
+    let decoder_pods = watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_DECODER}"));
+    let trainer_pods = watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_TRAINER}"));
+    let (decoders, decoder_changes) = cached(scoped::<Pod>(&client, ns), &decoder_pods);
+    let (trainers, trainer_changes) = cached(scoped::<Pod>(&client, ns), &trainer_pods);
     let (config_maps, config_map_changes) = cached(scoped::<ConfigMap>(&client, ns), &managed);
     let (services, service_changes) = cached(scoped::<Service>(&client, ns), &managed);
     let (network_policies, network_policy_changes) =
@@ -164,7 +200,10 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     let (roles, role_changes) = cached(scoped::<Role>(&client, ns), &managed);
     let (role_bindings, role_binding_changes) =
         cached(scoped::<RoleBinding>(&client, ns), &managed);
+    ctx.pod_writes.clear();
     ctx.set_children(Some(ChildStores {
+        decoders,
+        trainers,
         config_maps,
         services,
         network_policies,
@@ -177,26 +216,19 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         watcher::Config::default(),
     )
     .with_config(kube::runtime::Config::default().concurrency(MAX_CONCURRENT_RECONCILES))
-    .owns(
-        scoped::<Pod>(&client, ns),
-        watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_DECODER}")),
-    )
+    .owns_stream(decoder_changes)
     .owns_stream(config_map_changes)
     .owns_stream(service_changes)
     .owns_stream(network_policy_changes)
     .owns_stream(role_changes)
     .owns_stream(role_binding_changes)
     // Trainer pods are not owned, but their count and injection show in the status.
-    .watches(
-        scoped::<Pod>(&client, ns),
-        watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_TRAINER}")),
-        |pod: Pod| {
-            let ns = pod.namespace()?;
-            pod.labels()
-                .get(LABEL_PIPELINE)
-                .map(|name| ObjectRef::<DataPipeline>::new(name).within(&ns))
-        },
-    )
+    .watches_stream(trainer_changes, |pod: Pod| {
+        let ns = pod.namespace()?;
+        pod.labels()
+            .get(LABEL_PIPELINE)
+            .map(|name| ObjectRef::<DataPipeline>::new(name).within(&ns))
+    })
     .graceful_shutdown_on(shutdown.cancelled_owned())
     .run(reconcile::reconcile, error_policy, ctx)
     .for_each(|_| futures::future::ready(()))

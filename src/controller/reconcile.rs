@@ -20,14 +20,28 @@ use super::{
 use crate::api::v1alpha1::AutoscalingMode;
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
 
-/// The pods of one pipeline, as listed from the API server (not a cache, so that a reconcile
-/// right after creating pods never creates them twice).
+/// The pods of one pipeline.
 pub struct Observed {
     pub decoders: Vec<Pod>,
     pub trainers: Vec<Pod>,
 }
 
-async fn observe(pods: &Api<Pod>, namespace: &str, name: &str) -> Result<Observed, Error> {
+/// The pipeline's pods from the controller's caches, with its own recent writes laid over them
+/// (see [`super::expectations`]); listed from the API server while the caches fill.
+async fn observe(
+    ctx: &Context,
+    pods: &Api<Pod>,
+    namespace: &str,
+    name: &str,
+) -> Result<Observed, Error> {
+    let key = (namespace.to_string(), name.to_string());
+    if let Some(cached) = ctx.children().filter(ChildStores::pods_ready) {
+        let decoders = ChildStores::pods_of(&cached.decoders, namespace, name);
+        return Ok(Observed {
+            decoders: ctx.pod_writes.overlay(&key, decoders),
+            trainers: ChildStores::pods_of(&cached.trainers, namespace, name),
+        });
+    }
     let list = pods
         .list(&ListParams::default().labels(&format!("{LABEL_PIPELINE}={name}")))
         .await
@@ -42,7 +56,10 @@ async fn observe(pods: &Api<Pod>, namespace: &str, name: &str) -> Result<Observe
         .items
         .into_iter()
         .partition(|p| p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_DECODER));
-    Ok(Observed { decoders, trainers })
+    Ok(Observed {
+        decoders: ctx.pod_writes.overlay(&key, decoders),
+        trainers,
+    })
 }
 
 /// Pod writes one reconcile keeps in flight: fast scale-up without a burst that trips API
@@ -96,7 +113,7 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     let now = Timestamp::now();
 
     // observe
-    let observed = observe(&pods, &namespace, &name).await?;
+    let observed = observe(ctx, &pods, &namespace, &name).await?;
 
     // validate
     let problems = validate::validate(&dp.spec, &ctx.defaults);
@@ -212,19 +229,28 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
         drains.push(apply::drain(&pods, name, FIELD_MANAGER, now));
     }
     let mut deletes = Vec::new();
-    for name in &plan.delete {
-        deletes.push(apply::delete(&pods, name));
+    for pod in &plan.delete {
+        let pods = &pods;
+        deletes.push(async move { apply::delete(pods, pod).await.map(|()| pod.clone()) });
     }
+    // Each write is remembered as it lands, so one failed write forgets none of the others.
+    let key = (namespace.clone(), dp.name_any());
+    let remember = |written: Vec<Pod>, deleted: Vec<String>| {
+        ctx.pod_writes.record(key.clone(), written, deleted);
+    };
     futures::try_join!(
         stream::iter(creates)
             .buffer_unordered(limit)
+            .inspect_ok(|pod| remember(vec![pod.clone()], vec![]))
             .try_collect::<Vec<Pod>>(),
         stream::iter(drains)
             .buffer_unordered(limit)
-            .try_collect::<Vec<()>>(),
+            .inspect_ok(|pod| remember(pod.iter().cloned().collect(), vec![]))
+            .try_collect::<Vec<Option<Pod>>>(),
         stream::iter(deletes)
             .buffer_unordered(limit)
-            .try_collect::<Vec<()>>(),
+            .inspect_ok(|name| remember(vec![], vec![name.clone()]))
+            .try_collect::<Vec<String>>(),
     )?;
     let reference = dp.object_ref(&());
     if plan.create > 0 || !plan.drain.is_empty() || !plan.delete.is_empty() {

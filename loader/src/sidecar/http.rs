@@ -1,7 +1,7 @@
 //! The sidecar's HTTP port: `/metrics`, `/healthz`, `/readyz` (passes only once the trainer's
-//! unix socket is listening: the injected startup probe) and `/local-share` (GET, or PUT a
-//! number in 0..=1: the share of batches decoded in the sidecar, set by the autoscaler when the
-//! node's NIC is the bottleneck).
+//! unix socket is listening: the injected startup probe) and `GET /local-share` (the share of
+//! batches decoded in the sidecar). The port takes no writes: the share is changed through the
+//! pod's annotation (see `discovery::kube::follow_local_share`), which the API server guards.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,7 +25,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
-        .route("/local-share", get(get_share).put(put_share))
+        .route("/local-share", get(get_share))
         .with_state(state)
 }
 
@@ -67,20 +67,4 @@ async fn ready(State(s): State<HttpState>) -> (StatusCode, &'static str) {
 async fn get_share(State(s): State<HttpState>) -> String {
     let share = s.pipelines.first().map_or(0.0, |p| p.local_share());
     format!("{share}\n")
-}
-
-async fn put_share(State(s): State<HttpState>, body: String) -> (StatusCode, String) {
-    match body.trim().parse::<f64>() {
-        Ok(v) if (0.0..=1.0).contains(&v) => {
-            for p in &s.pipelines {
-                p.set_local_share(v);
-            }
-            tracing::info!(share = v, "local decode share changed");
-            (StatusCode::OK, format!("{v}\n"))
-        }
-        _ => (
-            StatusCode::BAD_REQUEST,
-            format!("expected a number in 0..=1, got {:?}\n", body.trim()),
-        ),
-    }
 }

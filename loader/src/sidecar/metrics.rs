@@ -121,7 +121,7 @@ impl SidecarMetrics {
         let local_share = Gauge::<f64, AtomicU64>::default();
         r.register(
             "local_share",
-            "Share of batches decoded in the sidecar (set by flag or PUT /local-share)",
+            "Share of batches decoded in the sidecar (set by flag or the pod's stoker.dev/local-share annotation)",
             local_share.clone(),
         );
         let epoch = Gauge::default();

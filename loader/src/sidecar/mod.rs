@@ -139,7 +139,7 @@ pub struct SidecarArgs {
     /// Unix socket (one local rank only); default: <shm-dir>/stoker-<local rank>.sock.
     #[arg(long, env = "STOKER_SOCKET")]
     pub socket: Option<PathBuf>,
-    /// /metrics, /readyz, /local-share.
+    /// /metrics, /healthz, /readyz, GET /local-share.
     #[arg(long, env = "STOKER_HTTP_ADDR", default_value = "0.0.0.0:9091")]
     pub http_addr: SocketAddr,
     /// Decode workers, comma separated host:port.
@@ -168,9 +168,13 @@ pub struct SidecarArgs {
     /// Threads of the in-sidecar decoder; 0 = one per core.
     #[arg(long, env = "STOKER_LOCAL_DECODERS", default_value_t = 0)]
     pub local_decoders: usize,
-    /// Share of batches decoded in the sidecar (0..=1); also PUT /local-share.
+    /// Share of batches decoded in the sidecar (0..=1) at start. With --pod-name, the operator
+    /// changes it through the pod's `stoker.dev/local-share` annotation.
     #[arg(long, env = "STOKER_LOCAL_SHARE", default_value_t = 0.0)]
     pub local_share: f64,
+    /// This sidecar's pod (in --workers-namespace), whose local-share annotation it follows.
+    #[arg(long, env = "STOKER_POD_NAME")]
+    pub pod_name: Option<String>,
     /// Never decode locally, even when no worker is reachable.
     #[arg(long)]
     pub no_local_fallback: bool,
@@ -311,10 +315,14 @@ pub async fn run(
         max_failures: args.max_worker_failures.max(1),
         set_aside_for: Duration::from_secs(args.set_aside_secs),
     }));
+    let mut kube_client = None;
     let discovery: Option<Box<dyn WorkerDiscovery>> = match &args.workers_selector {
-        Some(selector) => Some(Box::new(
-            KubeWorkers::connect(args.workers_namespace.clone(), selector.clone()).await?,
-        )),
+        Some(selector) => {
+            let workers =
+                KubeWorkers::connect(args.workers_namespace.clone(), selector.clone()).await?;
+            kube_client = Some(workers.client.clone());
+            Some(Box::new(workers))
+        }
         None => args.discovery(),
     };
     // With no worker source at all, every batch is decoded here.
@@ -407,6 +415,22 @@ pub async fn run(
             },
         });
         served.push((pipeline, hello, args.socket_path(i as u32)));
+    }
+
+    // The autoscaler's local-decode share, from this pod's annotation.
+    if let Some(pod) = args.pod_name.clone() {
+        let pipelines: Vec<Arc<Pipeline>> = served.iter().map(|(p, _, _)| p.clone()).collect();
+        tokio::spawn(discovery::kube::follow_local_share(
+            kube_client,
+            args.workers_namespace.clone(),
+            pod,
+            move |share| {
+                for p in &pipelines {
+                    p.set_local_share(share);
+                }
+                tracing::info!(share, "local decode share changed");
+            },
+        ));
     }
 
     let socket_listening = Arc::new(AtomicBool::new(false));

@@ -142,6 +142,17 @@ pub fn sidecar(
     workers: &[&DecodeWorkerProc],
     extra: &[&str],
 ) -> SidecarProc {
+    sidecar_with_env(server, dir, workers, extra, &[])
+}
+
+/// [`sidecar`] with extra environment variables (e.g. `KUBECONFIG`).
+pub fn sidecar_with_env(
+    server: &S3Server,
+    dir: &Path,
+    workers: &[&DecodeWorkerProc],
+    extra: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+) -> SidecarProc {
     let shm = dir.join(format!("shm-{}", fastrand_suffix()));
     std::fs::create_dir_all(&shm).expect("shm dir");
     let socket = shm.join("stoker.sock");
@@ -164,6 +175,7 @@ pub fn sidecar(
         }
     }
     cmd.args(extra);
+    cmd.envs(env.iter().copied());
     s3_flags(&mut cmd, server);
     let proc = spawn(cmd, server);
     let http = proc.field("http").parse().expect("http addr");

@@ -1,9 +1,12 @@
-//! Decoder discovery from the Kubernetes API: the operator's decode pods, by label selector.
-//! The only file of the loader that depends on kube, so the rest builds and tests without it.
+//! The sidecar's reads from the Kubernetes API: decoder discovery (the operator's decode pods,
+//! by label selector) and the local-decode share the operator writes on the sidecar's own pod.
+//! The only file of the loader that talks to the Kubernetes API.
 
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
+use kube::runtime::{WatchStreamExt, watcher};
 
 use super::{DECODER_GRPC_PORT, DiscoveryError, DiscoveryFuture, WorkerDiscovery};
 
@@ -94,9 +97,85 @@ pub fn serving_address(pod: &Pod, port: u16) -> Option<String> {
     })
 }
 
+/// On the trainer pod: the share of batches (0..=1) its sidecar decodes itself, set by the
+/// operator's autoscaler when the trainer node's own NIC is the bottleneck.
+pub const LOCAL_SHARE_ANNOTATION: &str = "stoker.dev/local-share";
+
+/// The share a pod's annotation asks for: `None` without one, `Some(Err)` for a value outside
+/// 0..=1 or not a number.
+pub fn local_share_of(pod: &Pod) -> Option<Result<f64, String>> {
+    let value = pod
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(LOCAL_SHARE_ANNOTATION)?;
+    Some(
+        value
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|v| (0.0..=1.0).contains(v))
+            .ok_or_else(|| value.clone()),
+    )
+}
+
+/// Watches the sidecar's own pod and calls `apply` with each new share its annotation asks for,
+/// for as long as the returned future runs. `client`: discovery's, else the in-cluster or
+/// kubeconfig one. A pod without the annotation changes nothing; a value out of range is logged
+/// and ignored. The watch resumes by itself after API errors.
+pub async fn follow_local_share(
+    client: Option<kube::Client>,
+    namespace: String,
+    pod: String,
+    apply: impl Fn(f64),
+) {
+    let client = match client {
+        Some(c) => c,
+        None => match kube::Client::try_default().await {
+            Ok(c) => c,
+            Err(err) => {
+                tracing::warn!(pod = %pod, %err, "no Kubernetes API: the local decode share stays as started");
+                return;
+            }
+        },
+    };
+    let pods: Api<Pod> = Api::namespaced(client, &namespace);
+    let own = watcher::Config::default().fields(&format!("metadata.name={pod}"));
+    let mut changes = std::pin::pin!(watcher(pods, own).default_backoff().applied_objects());
+    let mut current = None;
+    while let Some(change) = changes.next().await {
+        match change.as_ref().map(local_share_of) {
+            Ok(Some(Ok(share))) if current != Some(share) => {
+                current = Some(share);
+                apply(share);
+            }
+            Ok(Some(Err(value))) => {
+                tracing::warn!(pod = %pod, %value, "{LOCAL_SHARE_ANNOTATION} is not a number in 0..=1; ignored");
+            }
+            Ok(_) => {}
+            Err(err) => tracing::warn!(pod = %pod, %err, "watching the sidecar's own pod"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_share_annotation_reads_as_a_number_in_range() {
+        let with = |v: &str| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": { "name": "t", "annotations": { LOCAL_SHARE_ANNOTATION: v } }
+            }))
+            .unwrap()
+        };
+        assert_eq!(local_share_of(&with("0.25")), Some(Ok(0.25)));
+        assert_eq!(local_share_of(&with("1")), Some(Ok(1.0)));
+        assert_eq!(local_share_of(&with("1.5")), Some(Err("1.5".into())));
+        assert_eq!(local_share_of(&with("half")), Some(Err("half".into())));
+        assert_eq!(local_share_of(&Pod::default()), None);
+    }
 
     fn pod(ready: &str, ip: Option<&str>, draining: Option<&str>) -> Pod {
         let labels: Option<std::collections::BTreeMap<String, String>> = draining.map(|d| {
