@@ -1,4 +1,5 @@
-//! The least RBAC the loader sidecar needs: read the pipeline's decoder pods to discover them.
+//! The least RBAC the loader sidecar needs: read the pipeline's decoder pods to discover them,
+//! and its own pod for the local-decode share the autoscaler writes there (read only: no write).
 
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::ResourceExt;
