@@ -4,8 +4,9 @@
 //!
 //! The share is an annotation on each injected trainer pod (`stoker.dev/local-share`), which its
 //! sidecar watches through the Kubernetes API (its Role already reads pods): only who may patch
-//! the pod can change it, and the sidecar listens for nothing on the network. A pod is patched
-//! only when its annotation says otherwise; a pod without one decodes nothing locally.
+//! the pod can change it, and nothing on the network can (the sidecar's port takes no writes).
+//! A pod is patched only when its annotation says otherwise; a pod without one decodes nothing
+//! locally.
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
