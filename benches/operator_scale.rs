@@ -19,7 +19,7 @@ use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{CustomResourceExt, ResourceExt};
 use stoker_operator::api::DataPipeline;
-use stoker_testenv::cluster::{ControlPlane, Options};
+use stoker_testenv::cluster::{ControlPlane, Options, PodsEverSeen};
 use stoker_testenv::nodes::{Pool, SimNode, default_nodes};
 
 fn env_usize(name: &str, default: usize) -> usize {
@@ -252,20 +252,7 @@ async fn main() {
     });
     // Every decoder pod that ever exists: a reconcile reading a cache that lags its own creates
     // would make more than asked for (and delete the surplus later).
-    let decoder_uids = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
-    let pod_watch = tokio::spawn({
-        let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), ns);
-        let uids = decoder_uids.clone();
-        async move {
-            let decoders = watcher::Config::default().labels("stoker.dev/role=decoder");
-            let mut stream = watcher(pods, decoders).touched_objects().boxed();
-            while let Some(Ok(pod)) = stream.next().await {
-                if let Some(uid) = pod.metadata.uid {
-                    uids.lock().expect("uids").insert(uid);
-                }
-            }
-        }
-    });
+    let decoders_ever = PodsEverSeen::watch(&client, ns, "stoker.dev/role=decoder").await;
     let mut created: BTreeMap<String, Instant> = BTreeMap::new();
     let t0 = Instant::now();
     for i in 0..pipelines {
@@ -356,10 +343,10 @@ async fn main() {
     );
     println!(
         "decoder pods ever created: {} for {pods} asked for",
-        decoder_uids.lock().expect("uids").len()
+        decoders_ever.count()
     );
     watch.abort();
-    pod_watch.abort();
+    drop(decoders_ever);
     drop(operator);
 
     // Steady state: a restarted operator reconciles every pipeline once with nothing to

@@ -13,7 +13,7 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use operator_support::*;
 use serde_json::json;
 use stoker_operator::api::DataPipeline;
-use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::cluster::{ControlPlane, PodsEverSeen};
 
 async fn set_replicas(api: &Api<DataPipeline>, name: &str, n: i32) {
     api.patch(
@@ -32,7 +32,12 @@ async fn decoders_spread_scale_without_restarts_and_drain() {
     install_crd(&ns.client).await;
     let op = Operator::start(ns.client.clone(), &ns.name, None).await;
     let dps: Api<DataPipeline> = Api::namespaced(ns.client.clone(), &ns.name);
-    let ever = DecodersEverSeen::watch(&ns.client, &ns.name, "imagenet").await;
+    let ever = PodsEverSeen::watch(
+        &ns.client,
+        &ns.name,
+        "stoker.dev/pipeline=imagenet,stoker.dev/role=decoder",
+    )
+    .await;
     dps.create(&PostParams::default(), &pipeline("imagenet", 4, 3))
         .await
         .expect("create pipeline");

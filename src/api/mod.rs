@@ -25,7 +25,8 @@ pub const ANNOTATION_RANK: &str = "stoker.dev/rank";
 /// The world size a trainer pod declares.
 pub const ANNOTATION_WORLD_SIZE: &str = "stoker.dev/world-size";
 /// On a trainer pod: the share of batches (0..=1) its sidecar decodes itself, set by the
-/// autoscaler when the trainer node's NIC is the bottleneck; the sidecar watches its own pod.
+/// autoscaler when the trainer node's NIC is the bottleneck; the sidecar watches its own pod
+/// (`LOCAL_SHARE_ANNOTATION` in the loader: the loader does not depend on this crate).
 pub const ANNOTATION_LOCAL_SHARE: &str = "stoker.dev/local-share";
 pub const ROLE_DECODER: &str = "decoder";
 pub const ROLE_TRAINER: &str = "trainer";

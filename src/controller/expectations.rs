@@ -42,12 +42,13 @@ impl PodExpectations {
         if written.is_empty() && deleted.is_empty() {
             return;
         }
+        let now = Instant::now();
         let mut pending = self.lock();
         let entry = pending.entry(pipeline).or_insert_with(|| Pending {
             pods: HashMap::new(),
-            since: Instant::now(),
+            since: now,
         });
-        entry.since = Instant::now();
+        entry.since = now;
         for pod in written {
             entry
                 .pods
@@ -71,23 +72,24 @@ impl PodExpectations {
         }
         let mut pods: HashMap<String, Pod> =
             cached.into_iter().map(|p| (p.name_any(), p)).collect();
-        entry.pods.retain(|name, expected| {
-            let seen = pods.get(name);
-            let caught_up = match expected {
-                Expected::Written(reply) => seen.is_some_and(|s| at_least(s, reply)),
-                Expected::Deleted => seen.is_none_or(|s| s.metadata.deletion_timestamp.is_some()),
-            };
-            if !caught_up {
-                match expected {
-                    Expected::Written(reply) => {
-                        pods.insert(name.clone(), (**reply).clone());
-                    }
-                    Expected::Deleted => {
-                        pods.remove(name);
-                    }
+        // A write the cache now shows is forgotten; one it does not stands in for the cache.
+        entry.pods.retain(|name, expected| match expected {
+            Expected::Written(reply) => {
+                if pods.get(name).is_some_and(|seen| at_least(seen, reply)) {
+                    return false;
                 }
+                pods.insert(name.clone(), (**reply).clone());
+                true
             }
-            !caught_up
+            Expected::Deleted => {
+                let gone = pods
+                    .get(name)
+                    .is_none_or(|seen| seen.metadata.deletion_timestamp.is_some());
+                if !gone {
+                    pods.remove(name);
+                }
+                !gone
+            }
         });
         if entry.pods.is_empty() {
             pending.remove(pipeline);

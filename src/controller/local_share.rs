@@ -41,9 +41,9 @@ fn pods_to_tell(trainers: &[Pod], share: f64) -> Vec<String> {
         .collect()
 }
 
-/// Writes `share` on every injected trainer pod of `namespace` that does not carry it yet.
-/// Returns how many took it; a failed patch is retried at the next decision.
-pub async fn tell(client: &Client, namespace: &str, trainers: &[Pod], share: f64) -> usize {
+/// Writes `share` on every injected trainer pod of `namespace` that does not carry it yet; a
+/// failed patch is retried at the next decision.
+pub async fn tell(client: &Client, namespace: &str, trainers: &[Pod], share: f64) {
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let value = annotation_value(share);
     let patch =
@@ -55,18 +55,13 @@ pub async fn tell(client: &Client, namespace: &str, trainers: &[Pod], share: f64
     let names = pods_to_tell(trainers, share);
     let patches = names.iter().map(|name| pods.patch(name, &params, &patch));
     let results = futures::future::join_all(patches).await;
-    let mut told = 0;
     for (name, result) in names.iter().zip(results) {
         match result {
-            Ok(_) => {
-                tracing::info!(pod = %name, %namespace, share, "local decode share set");
-                told += 1;
-            }
+            Ok(_) => tracing::info!(pod = %name, %namespace, share, "local decode share set"),
             Err(e) => tracing::warn!(pod = %name, %namespace, share, error = %e,
                 "local decode share not set; retried at the next decision"),
         }
     }
-    told
 }
 
 #[cfg(test)]

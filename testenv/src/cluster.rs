@@ -594,3 +594,58 @@ fn pem_to_der(pem: &str) -> Result<Vec<u8>> {
     let body: String = pem.lines().filter(|l| !l.starts_with("-----")).collect();
     Ok(base64::engine::general_purpose::STANDARD.decode(body)?)
 }
+
+/// Every pod matching a label selector that has existed since [`PodsEverSeen::watch`]: a scale
+/// that creates more pods than it needs and deletes the surplus shows here, not in a later list.
+pub struct PodsEverSeen {
+    uids: std::sync::Arc<Mutex<std::collections::BTreeSet<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl PodsEverSeen {
+    /// Starts watching `selector` in `namespace`; returns once the watch has listed what exists.
+    pub async fn watch(client: &kube::Client, namespace: &str, selector: &str) -> Self {
+        use futures::StreamExt;
+        use kube::runtime::watcher::{self, Event, watcher};
+        let api: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), namespace);
+        let config = watcher::Config::default().labels(selector);
+        let uids = std::sync::Arc::new(Mutex::new(std::collections::BTreeSet::new()));
+        let (listed, ready) = tokio::sync::oneshot::channel();
+        let seen = uids.clone();
+        let task = tokio::spawn(async move {
+            let mut listed = Some(listed);
+            let mut events = std::pin::pin!(watcher(api, config));
+            while let Some(event) = events.next().await {
+                match event {
+                    Ok(Event::Apply(p) | Event::InitApply(p) | Event::Delete(p)) => {
+                        if let Some(uid) = p.metadata.uid {
+                            seen.lock().unwrap_or_else(|e| e.into_inner()).insert(uid);
+                        }
+                    }
+                    Ok(Event::InitDone) => {
+                        if let Some(tx) = listed.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                    Ok(Event::Init) | Err(_) => {}
+                }
+            }
+        });
+        tokio::time::timeout(Duration::from_secs(30), ready)
+            .await
+            .expect("pod watch listed")
+            .expect("pod watch running");
+        Self { uids, task }
+    }
+
+    /// How many distinct pods (by uid) have existed.
+    pub fn count(&self) -> usize {
+        self.uids.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+impl Drop for PodsEverSeen {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -165,62 +165,6 @@ pub async fn wait_ready_decoders(client: &Client, ns: &str, pipeline: &str, n: u
     .await
 }
 
-/// Every decoder pod of a pipeline that has existed since [`DecodersEverSeen::watch`]: a scale
-/// that creates more pods than it needs and deletes the extra shows here, not in a later list.
-pub struct DecodersEverSeen {
-    uids: std::sync::Arc<std::sync::Mutex<BTreeSet<String>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl DecodersEverSeen {
-    /// Starts watching; returns once the watch has listed what exists now.
-    pub async fn watch(client: &Client, ns: &str, pipeline: &str) -> Self {
-        use futures::StreamExt;
-        use kube::runtime::watcher::{self, Event, watcher};
-        let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-        let config = watcher::Config::default().labels(&format!(
-            "stoker.dev/pipeline={pipeline},stoker.dev/role=decoder"
-        ));
-        let uids = std::sync::Arc::new(std::sync::Mutex::new(BTreeSet::new()));
-        let (listed, ready) = tokio::sync::oneshot::channel();
-        let seen = uids.clone();
-        let task = tokio::spawn(async move {
-            let mut listed = Some(listed);
-            let mut events = std::pin::pin!(watcher(api, config));
-            while let Some(event) = events.next().await {
-                match event {
-                    Ok(Event::Apply(p) | Event::InitApply(p) | Event::Delete(p)) => {
-                        if let Some(uid) = p.metadata.uid {
-                            seen.lock().expect("uids").insert(uid);
-                        }
-                    }
-                    Ok(Event::InitDone) => {
-                        if let Some(tx) = listed.take() {
-                            let _ = tx.send(());
-                        }
-                    }
-                    Ok(Event::Init) | Err(_) => {}
-                }
-            }
-        });
-        tokio::time::timeout(Duration::from_secs(30), ready)
-            .await
-            .expect("decoder watch listed")
-            .expect("decoder watch running");
-        Self { uids, task }
-    }
-
-    pub fn count(&self) -> usize {
-        self.uids.lock().expect("uids").len()
-    }
-}
-
-impl Drop for DecodersEverSeen {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
 pub fn uids(pods: &[Pod]) -> BTreeSet<String> {
     pods.iter().filter_map(|p| p.metadata.uid.clone()).collect()
 }

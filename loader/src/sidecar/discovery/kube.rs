@@ -98,7 +98,8 @@ pub fn serving_address(pod: &Pod, port: u16) -> Option<String> {
 }
 
 /// On the trainer pod: the share of batches (0..=1) its sidecar decodes itself, set by the
-/// operator's autoscaler when the trainer node's own NIC is the bottleneck.
+/// operator's autoscaler when the trainer node's own NIC is the bottleneck (the operator's
+/// `ANNOTATION_LOCAL_SHARE`).
 pub const LOCAL_SHARE_ANNOTATION: &str = "stoker.dev/local-share";
 
 /// The share a pod's annotation asks for: `None` without one, `Some(Err)` for a value outside
