@@ -1,15 +1,12 @@
 //! Leader election on a coordination.k8s.io Lease: one replica runs the controller, all serve the
-//! webhook. kube-runtime 5 has no election of its own, so this is the client-go algorithm in
-//! small: take the Lease when it is free or expired, renew it well within its duration, and stop
-//! leading as soon as a renewal fails past the deadline.
+//! webhook. `kube-lease-manager` takes, renews and releases the Lease; what stays here is the
+//! mapping of our durations onto it and when the controller must stop leading.
 
 use std::time::Duration;
 
-use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use k8s_openapi::jiff::Timestamp;
 use kube::Client;
-use kube::api::{Api, PostParams};
+use kube_lease_manager::{LeaseCreateMode, LeaseManager, LeaseParams};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Debug)]
@@ -18,8 +15,13 @@ pub struct LeaseConfig {
     pub name: String,
     /// This replica's identity (pod name).
     pub identity: String,
+    /// How long a Lease stays held without renewal; another replica may take it after that.
+    /// Whole seconds, at least 2.
     pub lease_duration: Duration,
+    /// How long renewals may keep failing before the leader stops leading.
     pub renew_deadline: Duration,
+    /// How often the leader renews (whole seconds, at least 1), and how long a failed attempt
+    /// waits before the next.
     pub retry_period: Duration,
 }
 
@@ -34,15 +36,34 @@ impl LeaseConfig {
             retry_period: Duration::from_secs(2),
         }
     }
+
+    /// The Lease duration and how often the holder renews (every `retry_period`, as client-go
+    /// does), in the whole seconds the Lease API counts; clamped to what the crate accepts (it
+    /// panics unless 0 < grace < duration).
+    fn seconds(&self) -> (u64, u64) {
+        let duration = self.lease_duration.as_secs().max(2);
+        let retry = self.retry_period.as_secs() + u64::from(self.retry_period.subsec_nanos() > 0);
+        (duration, retry.clamp(1, duration - 1))
+    }
+
+    /// The crate's parameters: its grace is how long before expiry the holder renews.
+    fn params(&self) -> LeaseParams {
+        let (duration, renew_every) = self.seconds();
+        LeaseParams::new(self.identity.clone(), duration, duration - renew_every)
+    }
+
+    fn renew_interval(&self) -> Duration {
+        Duration::from_secs(self.seconds().1)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum LeaderError {
     #[error("Lease {namespace}/{name}: {source}")]
-    Kube {
+    Lease {
         namespace: String,
         name: String,
-        source: kube::Error,
+        source: kube_lease_manager::LeaseManagerError,
     },
 }
 
@@ -52,156 +73,110 @@ impl LeaderError {
     }
 }
 
-/// Whether a lease held by someone else may be taken over at `now`.
-pub fn is_expired(spec: &LeaseSpec, now: Timestamp) -> bool {
-    if spec.holder_identity.as_deref().unwrap_or("").is_empty() {
-        return true;
-    }
-    let Some(renewed) = spec.renew_time.as_ref() else {
-        return true;
-    };
-    let duration = i64::from(spec.lease_duration_seconds.unwrap_or(15));
-    now.as_second() > renewed.0.as_second() + duration
-}
-
-pub struct LeaderElector {
-    api: Api<Lease>,
+/// This replica's hold on the Lease, from the moment it leads.
+pub struct Leadership {
+    manager: LeaseManager,
     config: LeaseConfig,
 }
 
-impl LeaderElector {
-    pub fn new(client: Client, config: LeaseConfig) -> Self {
-        Self {
-            api: Api::namespaced(client, &config.namespace),
-            config,
-        }
-    }
-
-    fn err(&self, source: kube::Error) -> LeaderError {
-        LeaderError::Kube {
-            namespace: self.config.namespace.clone(),
-            name: self.config.name.clone(),
-            source,
-        }
-    }
-
-    fn spec(&self, previous: Option<&LeaseSpec>, now: Timestamp) -> LeaseSpec {
-        let mine = previous.and_then(|p| p.holder_identity.as_deref())
-            == Some(self.config.identity.as_str());
-        let transitions = previous.and_then(|p| p.lease_transitions).unwrap_or(0);
-        LeaseSpec {
-            holder_identity: Some(self.config.identity.clone()),
-            lease_duration_seconds: i32::try_from(self.config.lease_duration.as_secs()).ok(),
-            acquire_time: if mine {
-                previous.and_then(|p| p.acquire_time.clone())
-            } else {
-                Some(MicroTime(now))
-            },
-            renew_time: Some(MicroTime(now)),
-            lease_transitions: Some(if mine { transitions } else { transitions + 1 }),
-            ..LeaseSpec::default()
-        }
-    }
-
-    /// One attempt to take or renew the lease; `Ok(false)` when another replica holds it.
-    pub async fn try_acquire_or_renew(&self) -> Result<bool, LeaderError> {
-        let now = Timestamp::now();
-        match self
-            .api
-            .get_opt(&self.config.name)
+impl Leadership {
+    /// Waits until this replica leads; `None` if `shutdown` came first.
+    pub async fn acquire(
+        client: Client,
+        config: LeaseConfig,
+        shutdown: &CancellationToken,
+    ) -> Option<Self> {
+        let manager = loop {
+            match LeaseManager::new(
+                client.clone(),
+                &config.name,
+                &config.namespace,
+                config.params(),
+                LeaseCreateMode::AutoCreate,
+            )
             .await
-            .map_err(|e| self.err(e))?
-        {
-            None => {
-                let lease = Lease {
-                    metadata: ObjectMeta {
-                        name: Some(self.config.name.clone()),
-                        namespace: Some(self.config.namespace.clone()),
-                        ..ObjectMeta::default()
-                    },
-                    spec: Some(self.spec(None, now)),
-                };
-                match self.api.create(&PostParams::default(), &lease).await {
-                    Ok(_) => Ok(true),
-                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
-                    Err(e) => Err(self.err(e)),
-                }
+            {
+                Ok(manager) => break manager,
+                Err(e) => warn(&config, e, "leader election attempt failed"),
             }
-            Some(mut lease) => {
-                let previous = lease.spec.clone().unwrap_or_default();
-                let mine =
-                    previous.holder_identity.as_deref() == Some(self.config.identity.as_str());
-                if !mine && !is_expired(&previous, now) {
-                    return Ok(false);
-                }
-                lease.spec = Some(self.spec(Some(&previous), now));
-                match self
-                    .api
-                    .replace(&self.config.name, &PostParams::default(), &lease)
-                    .await
-                {
-                    Ok(_) => Ok(true),
-                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
-                    Err(e) => Err(self.err(e)),
-                }
+            if !pause(shutdown, config.retry_period).await {
+                return None;
             }
-        }
-    }
-
-    /// Waits until this replica leads; `false` if `shutdown` came first.
-    pub async fn acquire(&self, shutdown: &CancellationToken) -> bool {
+        };
         loop {
-            match self.try_acquire_or_renew().await {
-                Ok(true) => return true,
+            let changed = tokio::select! {
+                () = shutdown.cancelled() => return None,
+                changed = manager.changed() => changed,
+            };
+            match changed {
+                Ok(true) => return Some(Self { manager, config }),
                 Ok(false) => {}
-                Err(e) => tracing::warn!(error = %e, "leader election attempt failed"),
-            }
-            tokio::select! {
-                () = shutdown.cancelled() => return false,
-                () = tokio::time::sleep(self.config.retry_period) => {}
-            }
-        }
-    }
-
-    /// Renews until `shutdown` or until renewal fails for longer than the renew deadline;
-    /// returns `true` if leadership was lost. The caller releases after stopping its work.
-    pub async fn hold(&self, shutdown: &CancellationToken) -> bool {
-        let mut last_renew = tokio::time::Instant::now();
-        loop {
-            tokio::select! {
-                () = shutdown.cancelled() => return false,
-                () = tokio::time::sleep(self.config.retry_period) => {}
-            }
-            match self.try_acquire_or_renew().await {
-                Ok(true) => last_renew = tokio::time::Instant::now(),
-                Ok(false) => return true,
                 Err(e) => {
-                    tracing::warn!(error = %e, "lease renewal failed");
-                    if last_renew.elapsed() > self.config.renew_deadline {
-                        return true;
+                    warn(&config, e, "leader election attempt failed");
+                    if !pause(shutdown, config.retry_period).await {
+                        return None;
                     }
                 }
             }
         }
     }
 
-    /// Gives the lease up so that another replica takes over at once.
-    pub async fn release(&self) {
-        let Ok(Some(mut lease)) = self.api.get_opt(&self.config.name).await else {
-            return;
-        };
-        let Some(spec) = lease.spec.as_mut() else {
-            return;
-        };
-        if spec.holder_identity.as_deref() != Some(self.config.identity.as_str()) {
-            return;
+    /// Renews until `shutdown`; `true` if leadership was lost: another replica holds the Lease,
+    /// or renewals kept failing for longer than the renew deadline. The caller releases after
+    /// stopping its work.
+    pub async fn hold(&self, shutdown: &CancellationToken) -> bool {
+        let mut failing_since: Option<Instant> = None;
+        loop {
+            let call = Instant::now();
+            let changed = tokio::select! {
+                () = shutdown.cancelled() => return false,
+                changed = self.manager.changed() => changed,
+            };
+            match changed {
+                Ok(true) => failing_since = None,
+                Ok(false) => return true,
+                Err(e) => {
+                    // The crate only returns on a change or an error; a call that stayed quiet
+                    // for a whole renewal interval renewed at least once before failing.
+                    if call.elapsed() >= self.config.renew_interval() {
+                        failing_since = Some(call);
+                    }
+                    let since = *failing_since.get_or_insert(call);
+                    warn(&self.config, e, "lease renewal failed");
+                    if since.elapsed() > self.config.renew_deadline {
+                        return true;
+                    }
+                    if !pause(shutdown, self.config.retry_period).await {
+                        return false;
+                    }
+                }
+            }
         }
-        spec.holder_identity = None;
-        spec.lease_duration_seconds = Some(1);
-        let _ = self
-            .api
-            .replace(&self.config.name, &PostParams::default(), &lease)
-            .await;
+    }
+
+    /// Gives the Lease up, so that another replica takes it once it notices (at the latest when
+    /// the last renewal would have expired).
+    pub async fn release(&self) {
+        if let Err(e) = self.manager.release().await {
+            warn(&self.config, e, "releasing the lease failed");
+        }
+    }
+}
+
+fn warn(config: &LeaseConfig, source: kube_lease_manager::LeaseManagerError, message: &str) {
+    let e = LeaderError::Lease {
+        namespace: config.namespace.clone(),
+        name: config.name.clone(),
+        source,
+    };
+    tracing::warn!(error = %e, category = e.category(), "{message}");
+}
+
+/// Sleeps for `period`; `false` if `shutdown` came first.
+async fn pause(shutdown: &CancellationToken, period: Duration) -> bool {
+    tokio::select! {
+        () = shutdown.cancelled() => false,
+        () = tokio::time::sleep(period) => true,
     }
 }
 
@@ -209,21 +184,21 @@ impl LeaderElector {
 mod tests {
     use super::*;
 
-    fn spec(holder: Option<&str>, renewed: i64, duration: i32) -> LeaseSpec {
-        LeaseSpec {
-            holder_identity: holder.map(Into::into),
-            renew_time: Some(MicroTime(Timestamp::from_second(renewed).expect("ts"))),
-            lease_duration_seconds: Some(duration),
-            ..LeaseSpec::default()
-        }
+    fn config(lease: u64, retry_ms: u64) -> LeaseConfig {
+        let mut c = LeaseConfig::new("ns", "lease", "me");
+        c.lease_duration = Duration::from_secs(lease);
+        c.retry_period = Duration::from_millis(retry_ms);
+        c
     }
 
     #[test]
-    fn a_lease_expires_after_its_duration() {
-        let now = Timestamp::from_second(1_000).expect("ts");
-        assert!(!is_expired(&spec(Some("a"), 990, 15), now));
-        assert!(is_expired(&spec(Some("a"), 980, 15), now));
-        assert!(is_expired(&spec(None, 999, 15), now));
-        assert!(is_expired(&spec(Some(""), 999, 15), now));
+    fn the_holder_renews_every_retry_period_within_the_lease() {
+        assert_eq!(config(15, 2_000).params(), LeaseParams::new("me", 15, 13));
+        // Sub-second periods round up: the Lease API counts whole seconds.
+        assert_eq!(config(4, 500).params(), LeaseParams::new("me", 4, 3));
+        assert_eq!(config(4, 500).renew_interval(), Duration::from_secs(1));
+        // Never at or past the Lease's expiry, never with a zero grace (the crate panics).
+        assert_eq!(config(2, 5_000).params(), LeaseParams::new("me", 2, 1));
+        assert_eq!(config(0, 0).params(), LeaseParams::new("me", 2, 1));
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod autoscale;
+pub mod build;
 pub mod controller;
 pub mod leader;
 pub mod telemetry;
@@ -17,8 +18,8 @@ use std::sync::Arc;
 use kube::Client;
 pub use tokio_util::sync::CancellationToken;
 
-use controller::build::BuildDefaults;
-use leader::{LeaderElector, LeaseConfig};
+use build::BuildDefaults;
+use leader::{Leadership, LeaseConfig};
 use telemetry::Metrics;
 use webhook::WebhookConfig;
 
@@ -115,10 +116,9 @@ pub async fn start(
             controller::run(ctx, config.watch_namespace, shutdown).await;
             return Ok(());
         };
-        let elector = LeaderElector::new(client, lease.clone());
-        if !elector.acquire(&shutdown).await {
+        let Some(leadership) = Leadership::acquire(client, lease.clone(), &shutdown).await else {
             return Ok(());
-        }
+        };
         tracing::info!(lease = %lease.name, identity = %lease.identity, "leading");
         m.set_leader(true);
         let controller_stop = shutdown.child_token();
@@ -127,11 +127,11 @@ pub async fn start(
             config.watch_namespace,
             controller_stop.clone(),
         ));
-        let lost = elector.hold(&shutdown).await;
+        let lost = leadership.hold(&shutdown).await;
         controller_stop.cancel();
         let _ = controller.await;
         if !lost {
-            elector.release().await;
+            leadership.release().await;
         }
         m.set_leader(false);
         if lost {

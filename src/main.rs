@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use stoker_operator::controller::build::BuildDefaults;
+use stoker_operator::build::BuildDefaults;
 use stoker_operator::leader::LeaseConfig;
 use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::webhook::inject::InjectConfig;
@@ -142,6 +142,7 @@ async fn main() -> anyhow::Result<()> {
             .then(|| LeaseConfig::new(&args.namespace, &args.lease_name, &args.identity)),
         defaults: BuildDefaults {
             loader_image: args.loader_image.clone(),
+            sidecar_resources: None,
         },
         webhook: (!args.no_webhook).then(|| WebhookConfig {
             listen: args.webhook_listen,

@@ -84,7 +84,7 @@ impl Default for Metrics {
         );
         registry.register(
             "child_applies",
-            "Children (ConfigMap, Service, NetworkPolicy, Role, RoleBinding) a reconcile applied, or found already as built",
+            "Children (Service, NetworkPolicy, Role, RoleBinding) a reconcile applied, or found already as built",
             children.clone(),
         );
         registry.register(

@@ -23,7 +23,7 @@ use stoker_operator::Config;
 use stoker_operator::api::DataPipeline;
 use stoker_operator::api::v1alpha1::AutoscalingMode;
 use stoker_operator::autoscale::{AutoscalerSettings, AutoscalingPolicy};
-use stoker_operator::controller::build::BuildDefaults;
+use stoker_operator::build::BuildDefaults;
 use stoker_testenv::cluster::ControlPlane;
 
 const PIPELINE: &str = "imagenet";
@@ -172,6 +172,7 @@ async fn a_starved_trainer_scales_decoders_from_prometheus_signals() {
         lease: None,
         defaults: BuildDefaults {
             loader_image: LOADER_IMAGE.to_string(),
+            sidecar_resources: None,
         },
         webhook: None,
         metrics_listen: None,

@@ -15,12 +15,12 @@ use kube::api::{Api, ListParams, PostParams};
 use operator_support::*;
 use stoker_operator::Config;
 use stoker_operator::api::DataPipeline;
-use stoker_operator::controller::build::BuildDefaults;
+use stoker_operator::build::BuildDefaults;
 use stoker_operator::leader::LeaseConfig;
 use stoker_operator::webhook::WebhookConfig;
-use stoker_operator::webhook::inject::InjectConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
 use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::http;
 
 const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/stoker");
 
@@ -118,6 +118,7 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         lease: Some(LeaseConfig::new(&ns, "stoker-leader", "stoker-test-0")),
         defaults: BuildDefaults {
             loader_image: LOADER_IMAGE.into(),
+            sidecar_resources: None,
         },
         webhook: Some(WebhookConfig {
             listen: "127.0.0.1:0".parse().expect("addr"),
@@ -131,7 +132,7 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
                 renew_before: Duration::from_secs(30 * 86_400),
             }),
             refresh_interval: Duration::from_secs(60),
-            inject: InjectConfig {
+            inject: BuildDefaults {
                 loader_image: LOADER_IMAGE.into(),
                 sidecar_resources: None,
             },
@@ -200,9 +201,9 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
     .await;
     // The health and metrics endpoints the chart's probes and PodMonitor use.
     let addr = op.metrics_addr.expect("metrics address");
-    assert_eq!(http_get(addr, "/healthz").await.0, 200);
-    assert_eq!(http_get(addr, "/readyz").await.0, 200);
-    let (code, body) = http_get(addr, "/metrics").await;
+    assert_eq!(http::get(addr, "/healthz").await.unwrap().0, 200);
+    assert_eq!(http::get(addr, "/readyz").await.unwrap().0, 200);
+    let (code, body) = http::get(addr, "/metrics").await.unwrap();
     assert_eq!(code, 200);
     for family in [
         "stoker_reconciles_total",

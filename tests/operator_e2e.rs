@@ -5,7 +5,7 @@ mod operator_support;
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::ResourceExt;
@@ -179,10 +179,6 @@ async fn decoders_spread_scale_without_restarts_and_drain() {
         let (c, n) = (c.clone(), n.clone());
         async move {
             let pods = decoders(&c, &n, "imagenet").await.len();
-            let cms = Api::<ConfigMap>::namespaced(c.clone(), &n)
-                .get_opt("imagenet-config")
-                .await
-                .ok()?;
             let svc = Api::<Service>::namespaced(c.clone(), &n)
                 .get_opt("imagenet-decoders")
                 .await
@@ -199,13 +195,8 @@ async fn decoders_spread_scale_without_restarts_and_drain() {
                 .get_opt("stoker-imagenet-sidecar")
                 .await
                 .ok()?;
-            (pods == 0
-                && cms.is_none()
-                && svc.is_none()
-                && np.is_none()
-                && role.is_none()
-                && rb.is_none())
-            .then_some(())
+            (pods == 0 && svc.is_none() && np.is_none() && role.is_none() && rb.is_none())
+                .then_some(())
         }
     })
     .await;
@@ -261,21 +252,26 @@ async fn deleted_decoder_is_replaced_and_restart_changes_nothing() {
 
     // Children edited or deleted by hand are put back (the reconcile skips only children that
     // are still as it built them).
-    let cms: Api<ConfigMap> = Api::namespaced(ns.client.clone(), &ns.name);
-    let built = cms.get("coco-config").await.expect("config").data;
-    cms.patch(
-        "coco-config",
+    let svcs: Api<Service> = Api::namespaced(ns.client.clone(), &ns.name);
+    let built = svcs
+        .get("coco-decoders")
+        .await
+        .expect("service")
+        .spec
+        .and_then(|s| s.selector);
+    svcs.patch(
+        "coco-decoders",
         &PatchParams::default(),
-        &Patch::Merge(json!({"data": {"pipeline.json": "{}"}})),
+        &Patch::Merge(json!({"spec": {"selector": {"stoker.dev/draining": "true"}}})),
     )
     .await
-    .expect("edit the config by hand");
+    .expect("edit the service by hand");
     let nps: Api<NetworkPolicy> = Api::namespaced(ns.client.clone(), &ns.name);
     nps.delete("coco-decoders", &DeleteParams::default())
         .await
         .expect("delete the network policy");
     eventually("hand edits undone", Duration::from_secs(30), || async {
-        let restored = cms.get("coco-config").await.ok()?.data == built;
+        let restored = svcs.get("coco-decoders").await.ok()?.spec?.selector == built;
         let recreated = nps.get_opt("coco-decoders").await.ok()??;
         (restored && recreated.metadata.deletion_timestamp.is_none()).then_some(())
     })

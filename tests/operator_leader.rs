@@ -12,7 +12,7 @@ use operator_support::*;
 use serde_json::json;
 use stoker_operator::Config;
 use stoker_operator::api::DataPipeline;
-use stoker_operator::controller::build::BuildDefaults;
+use stoker_operator::build::BuildDefaults;
 use stoker_operator::leader::LeaseConfig;
 use stoker_testenv::cluster::ControlPlane;
 
@@ -26,6 +26,7 @@ async fn replica(client: &Client, ns: &str, identity: &str) -> Operator {
         lease: Some(lease),
         defaults: BuildDefaults {
             loader_image: LOADER_IMAGE.into(),
+            sidecar_resources: None,
         },
         webhook: None,
         metrics_listen: None,

@@ -21,9 +21,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use stoker_operator::api::DataPipeline;
 use stoker_operator::autoscale::{AutoscalerSettings, AutoscalingPolicy};
-use stoker_operator::controller::build::BuildDefaults;
+use stoker_operator::build::BuildDefaults;
 use stoker_operator::webhook::WebhookConfig;
-use stoker_operator::webhook::inject::InjectConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
 use stoker_operator::{CancellationToken, Config};
 use stoker_testenv::cluster::ControlPlane;
@@ -514,7 +513,7 @@ async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<Cancellati
             renew_before: Duration::from_secs(3_600),
         }),
         refresh_interval: Duration::from_secs(60),
-        inject: InjectConfig {
+        inject: BuildDefaults {
             loader_image: LOADER_IMAGE.into(),
             sidecar_resources: None,
         },
@@ -524,6 +523,7 @@ async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<Cancellati
         lease: None,
         defaults: BuildDefaults {
             loader_image: LOADER_IMAGE.into(),
+            sidecar_resources: None,
         },
         webhook: Some(webhook),
         metrics_listen: None,

@@ -9,7 +9,9 @@ use stoker_loader::proto;
 use stoker_loader::source::S3Source;
 use stoker_loader::worker::{DecodeClient, transform_to_proto};
 
-use crate::{S3Args, TransformArgs};
+use stoker_contract::{S3Args, TransformArgs};
+
+use crate::{s3_config, transform};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -40,7 +42,7 @@ pub struct BenchArgs {
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let metrics = std::sync::Arc::new(stoker_loader::metrics::LoaderMetrics::new());
-    let source = S3Source::connect(&args.s3.config(), metrics).await;
+    let source = S3Source::connect(&s3_config(&args.s3), metrics).await;
     let keys = source.list(&args.bucket, &args.prefix, 1000).await?;
     anyhow::ensure!(
         !keys.is_empty(),
@@ -48,7 +50,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         args.bucket,
         args.prefix
     );
-    let transform = transform_to_proto(&args.transform.transform()?);
+    let transform = transform_to_proto(&transform(&args.transform)?);
     let client = DecodeClient::connect(args.worker.clone()).await?;
     let mut batches = Vec::new();
     for _ in 0..args.epochs.max(1) {
@@ -60,6 +62,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let run_batches = |list: Vec<Vec<stoker_loader::source::SampleRef>>| {
         let client = client.clone();
         let bucket = args.bucket.clone();
+        let transform = transform.clone();
         futures::stream::iter(list.into_iter().enumerate())
             .map(move |(i, samples)| {
                 let mut client = client.clone();
@@ -74,7 +77,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                             inline: Default::default(),
                         })
                         .collect(),
-                    transform: Some(transform),
+                    transform: Some(transform.clone()),
                 };
                 async move {
                     // A full queue is back-pressure: wait a little and try again.

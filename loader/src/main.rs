@@ -3,10 +3,10 @@
 
 mod bench;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
+use stoker_contract::{DecodeArgs, S3Args, SidecarArgs, TransformArgs};
 use stoker_loader::decode::DecodeLimits;
 use stoker_loader::profile::{ProfileConfig, run_profile};
 use stoker_loader::source::{S3Config, S3Source};
@@ -23,129 +23,31 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve DecodeBatch over gRPC, with /metrics, /healthz and /readyz over HTTP.
-    Decode(DecodeArgs),
+    Decode(Box<DecodeArgs>),
     /// Time list, GET, decode, resize and pack on a sample of a dataset.
     Profile(ProfileArgs),
     /// Send a dataset through decode workers as batches and report images/s.
     Bench(bench::BenchArgs),
     /// Next to the trainer: epoch order, prefetch across decode workers, shared-memory hand-off.
-    Sidecar(Box<SidecarCmd>),
+    Sidecar(Box<SidecarArgs>),
 }
 
-#[derive(Args, Debug)]
-struct SidecarCmd {
-    #[command(flatten)]
-    sidecar: stoker_loader::sidecar::SidecarArgs,
-    #[command(flatten)]
-    transform: TransformArgs,
-    #[command(flatten)]
-    s3: S3Args,
+/// S3 settings for the loader's S3 client.
+fn s3_config(args: &S3Args) -> S3Config {
+    let mut c = S3Config {
+        endpoint: args.endpoint.clone(),
+        region: args.region.clone(),
+        force_path_style: args.force_path_style,
+        max_concurrent_gets: args.max_concurrent_gets,
+        ..S3Config::default()
+    };
+    c.retry.max_attempts = args.max_attempts.max(1);
+    c
 }
 
-/// Where objects live. Credentials come from the standard AWS chain (environment variables,
-/// profile, web identity, instance metadata), never from flags, and are never logged.
-#[derive(Args, Clone, Debug)]
-pub struct S3Args {
-    /// S3-compatible endpoint, e.g. http://minio.storage:9000.
-    #[arg(long, env = "STOKER_S3_ENDPOINT")]
-    pub endpoint: Option<String>,
-    #[arg(long, env = "STOKER_S3_REGION")]
-    pub region: Option<String>,
-    /// Path-style addressing (most S3-compatible stores need it).
-    #[arg(long, env = "STOKER_S3_FORCE_PATH_STYLE")]
-    pub force_path_style: bool,
-    /// S3 GETs in flight at once.
-    #[arg(long, default_value_t = 64)]
-    pub max_concurrent_gets: usize,
-    /// Attempts per request before a sample is skipped as s3_error.
-    #[arg(long, default_value_t = 10)]
-    pub max_attempts: u32,
-}
-
-impl S3Args {
-    pub fn config(&self) -> S3Config {
-        let mut c = S3Config {
-            endpoint: self.endpoint.clone(),
-            region: self.region.clone(),
-            force_path_style: self.force_path_style,
-            max_concurrent_gets: self.max_concurrent_gets,
-            ..S3Config::default()
-        };
-        c.retry.max_attempts = self.max_attempts.max(1);
-        c
-    }
-}
-
-#[derive(Copy, Clone, Debug, ValueEnum)]
-pub enum ResizeMode {
-    Crop,
-    Fit,
-    QwenSmart,
-}
-
-#[derive(Args, Clone, Debug)]
-pub struct TransformArgs {
-    #[arg(long, value_enum, default_value = "crop")]
-    pub resize: ResizeMode,
-    #[arg(long, default_value_t = 448)]
-    pub width: u32,
-    #[arg(long, default_value_t = 448)]
-    pub height: u32,
-    /// Padding gray level for `fit`.
-    #[arg(long, default_value_t = 0)]
-    pub pad: u8,
-    /// qwenSmart: sides are multiples of this (patch size x merge size).
-    #[arg(long, default_value_t = 28)]
-    pub factor: u32,
-    #[arg(long, default_value_t = 4 * 28 * 28)]
-    pub min_pixels: u64,
-    #[arg(long, default_value_t = 16384 * 28 * 28)]
-    pub max_pixels: u64,
-}
-
-impl TransformArgs {
-    pub fn transform(&self) -> anyhow::Result<Transform> {
-        let t = match self.resize {
-            ResizeMode::Crop => Transform::Crop {
-                width: self.width,
-                height: self.height,
-            },
-            ResizeMode::Fit => Transform::Fit {
-                width: self.width,
-                height: self.height,
-                pad: self.pad,
-            },
-            ResizeMode::QwenSmart => Transform::QwenSmart {
-                factor: self.factor,
-                min_pixels: self.min_pixels,
-                max_pixels: self.max_pixels,
-            },
-        };
-        t.validate()?;
-        Ok(t)
-    }
-}
-
-#[derive(Args, Debug)]
-struct DecodeArgs {
-    #[arg(long, env = "STOKER_GRPC_ADDR", default_value = "0.0.0.0:50051")]
-    grpc_addr: SocketAddr,
-    #[arg(long, env = "STOKER_HTTP_ADDR", default_value = "0.0.0.0:9090")]
-    http_addr: SocketAddr,
-    /// Decode threads; 0 = one per core.
-    #[arg(long, env = "STOKER_DECODE_THREADS", default_value_t = 0)]
-    threads: usize,
-    /// Batches admitted at once; further requests get RESOURCE_EXHAUSTED. 0 = 2 x threads + 2.
-    #[arg(long, default_value_t = 0)]
-    queue_depth: usize,
-    /// Largest width x height read from a header before a sample is skipped as too_large.
-    #[arg(long, default_value_t = 64 * 1024 * 1024)]
-    max_pixels: u64,
-    /// Seconds to wait for in-flight batches after SIGTERM.
-    #[arg(long, default_value_t = 60)]
-    drain_timeout_secs: u64,
-    #[command(flatten)]
-    s3: S3Args,
+/// The transform the flags name, checked.
+fn transform(args: &TransformArgs) -> anyhow::Result<Transform> {
+    Ok(Transform::from_args(args)?)
 }
 
 #[derive(Args, Debug)]
@@ -200,16 +102,16 @@ fn main() -> anyhow::Result<()> {
     })
 }
 
-async fn decode(args: DecodeArgs) -> anyhow::Result<()> {
+async fn decode(args: Box<DecodeArgs>) -> anyhow::Result<()> {
     let config = WorkerConfig {
         grpc_addr: args.grpc_addr,
         http_addr: args.http_addr,
         threads: args.threads,
         queue_depth: args.queue_depth,
         limits: DecodeLimits {
-            max_pixels: args.max_pixels,
+            max_pixels: args.max_source_pixels,
         },
-        s3: Some(args.s3.config()),
+        s3: Some(s3_config(&args.s3)),
         drain_timeout: Duration::from_secs(args.drain_timeout_secs),
         ..WorkerConfig::default()
     };
@@ -242,22 +144,22 @@ async fn shutdown_signal() {
     }
 }
 
-async fn sidecar(args: Box<SidecarCmd>) -> anyhow::Result<()> {
-    let transform = args.transform.transform()?;
-    let SidecarCmd { sidecar, s3, .. } = *args;
-    stoker_loader::sidecar::run(sidecar, s3.config(), transform, shutdown_signal()).await?;
+async fn sidecar(args: Box<SidecarArgs>) -> anyhow::Result<()> {
+    let transform = transform(&args.transform)?;
+    let s3 = s3_config(&args.s3);
+    stoker_loader::sidecar::run(*args, s3, transform, shutdown_signal()).await?;
     Ok(())
 }
 
 async fn profile(args: ProfileArgs) -> anyhow::Result<()> {
     let metrics = std::sync::Arc::new(stoker_loader::metrics::LoaderMetrics::new());
-    let source = S3Source::connect(&args.s3.config(), metrics).await;
+    let source = S3Source::connect(&s3_config(&args.s3), metrics).await;
     let cfg = ProfileConfig {
         bucket: args.bucket,
         prefix: args.prefix,
         manifest: args.manifest,
         sample: args.sample,
-        transform: args.transform.transform()?,
+        transform: transform(&args.transform)?,
         target_rate: args.target_rate,
         concurrency: args.concurrency,
         seed: args.seed,
@@ -270,4 +172,29 @@ async fn profile(args: ProfileArgs) -> anyhow::Result<()> {
         print!("{}", report.table());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stoker_contract::LoaderCommand;
+
+    /// The loader's own command line takes what the operator renders from the contract.
+    #[test]
+    fn the_cli_takes_the_operators_command_lines() {
+        let argv = |line: Vec<String>| std::iter::once("stoker-loader".to_string()).chain(line);
+        let sidecar = SidecarArgs::parse_flags(["--bucket", "b", "--resize", "qwenSmart"])
+            .expect("sidecar flags");
+        let line = sidecar.command_line().expect("renders");
+        match Cli::try_parse_from(argv(line)).expect("parses").command {
+            Command::Sidecar(parsed) => assert_eq!(*parsed, sidecar),
+            _ => panic!("not the sidecar"),
+        }
+        let decode = DecodeArgs::parse_flags(["--threads", "3"]).expect("decode flags");
+        let line = decode.command_line().expect("renders");
+        match Cli::try_parse_from(argv(line)).expect("parses").command {
+            Command::Decode(parsed) => assert_eq!(*parsed, decode),
+            _ => panic!("not decode"),
+        }
+    }
 }

@@ -54,7 +54,10 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
         .unwrap()
         .to_string();
     let http: std::net::SocketAddr = line.split("http=").nth(1).unwrap().trim().parse().unwrap();
-    assert_eq!(http_get(http, "/readyz").await.0, 200);
+    assert_eq!(
+        stoker_testenv::http::get(http, "/readyz").await.unwrap().0,
+        200
+    );
 
     let client = DecodeClient::connect(format!("http://{grpc}"))
         .await
@@ -71,7 +74,7 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
     // either in flight or done when SIGTERM lands.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let text = http_get(http, "/metrics").await.1;
+        let text = stoker_testenv::http::get(http, "/metrics").await.unwrap().1;
         if metric(&text, "stoker_loader_samples_in_total") >= 36.0 {
             assert!(
                 metric(&text, "stoker_loader_inflight_batches") >= 1.0,
@@ -87,7 +90,7 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
     }
     // Draining: readiness fails and a new batch is refused.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while http_get(http, "/readyz").await.0 != 503 {
+    while stoker_testenv::http::get(http, "/readyz").await.unwrap().0 != 503 {
         assert!(Instant::now() < deadline, "readiness never turned 503");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use sidecar_support::*;
 use stoker_loader::sidecar::protocol::Reply;
+use stoker_testenv::http;
 use stoker_testenv::s3::S3Server;
 
 #[test]
@@ -44,7 +45,7 @@ fn a_paused_trainer_stops_requests_and_memory_stays_flat() {
             && sc.metric("stoker_sidecar_inflight_batches") == 0.0
     });
     std::thread::sleep(Duration::from_secs(2));
-    let worker_metrics = || http(w.http, "GET", "/metrics", "").1;
+    let worker_metrics = || http::blocking::get(w.http, "/metrics").unwrap().1;
     let requested_before = metric(&worker_metrics(), "stoker_loader_samples_in_total");
     let rss_before = rss_kib(sc.proc.pid());
     let mut peak = rss_before;

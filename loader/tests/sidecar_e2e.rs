@@ -13,6 +13,7 @@ use kube::api::{Patch, PatchParams, PostParams};
 use sidecar_support::*;
 use stoker_loader::sidecar::protocol::Reply;
 use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::http;
 use stoker_testenv::s3::S3Server;
 
 /// Two cores run these: one test at a time keeps the timing assertions meaningful.
@@ -173,7 +174,7 @@ fn killing_decode_workers_mid_epoch_loses_no_sample_and_stalls_boundedly() {
         worst < Duration::from_secs_f64(timeout_s + 5.0),
         "stall {worst:?} exceeds the retry timeout plus margin"
     );
-    let text = http(sc.http, "GET", "/metrics", "").1;
+    let text = http::blocking::get(sc.http, "/metrics").unwrap().1;
     let retries: f64 = ["unavailable", "error", "timeout", "connect"]
         .iter()
         .map(|r| {
@@ -304,7 +305,7 @@ fn corrupt_and_missing_objects_reach_the_trainer_as_skips() {
     let meta: serde_json::Value = serde_json::from_str(&metadata["img-0002.jpg"]).unwrap();
     assert_eq!(meta["caption"], "image 2");
     assert_eq!(meta["label"], 2);
-    let text = http(sc.http, "GET", "/metrics", "").1;
+    let text = http::blocking::get(sc.http, "/metrics").unwrap().1;
     assert_eq!(
         metric(
             &text,
@@ -329,7 +330,7 @@ fn annotate_share(rt: &tokio::runtime::Runtime, pods: &Api<Pod>, pod: &str, shar
 fn eventually_share(sc: &SidecarProc, want: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let got = http(sc.http, "GET", "/local-share", "").1;
+        let got = http::blocking::get(sc.http, "/local-share").unwrap().1;
         if got.trim() == want {
             return;
         }
@@ -375,7 +376,7 @@ fn readiness_metrics_and_the_local_share_from_the_pods_annotation() {
         &[("KUBECONFIG", cp.kubeconfig_path().as_os_str())],
     );
     assert_eq!(
-        http(sc.http, "GET", "/readyz", "").0,
+        http::blocking::get(sc.http, "/readyz").unwrap().0,
         200,
         "ready once the socket listens"
     );
@@ -391,8 +392,19 @@ fn readiness_metrics_and_the_local_share_from_the_pods_annotation() {
         c.release(b.slot).unwrap();
     }
     // Nothing on the network may change the share; the pod's annotation does, within 0..=1.
-    assert_eq!(http(sc.http, "PUT", "/local-share", "1").0, 405);
-    assert_eq!(http(sc.http, "GET", "/local-share", "").1.trim(), "0");
+    assert_eq!(
+        http::blocking::request("PUT", sc.http, "/local-share", "1")
+            .unwrap()
+            .0,
+        405
+    );
+    assert_eq!(
+        http::blocking::get(sc.http, "/local-share")
+            .unwrap()
+            .1
+            .trim(),
+        "0"
+    );
     annotate_share(&rt, &pods, "trainer-0", "1.5");
     annotate_share(&rt, &pods, "trainer-0", "0.5");
     eventually_share(&sc, "0.5");
@@ -412,7 +424,7 @@ fn readiness_metrics_and_the_local_share_from_the_pods_annotation() {
         Some("local"),
         "{routes:?}"
     );
-    let text = http(sc.http, "GET", "/metrics", "").1;
+    let text = http::blocking::get(sc.http, "/metrics").unwrap().1;
     assert!(
         text.contains("stoker_trainer_data_wait_seconds_total"),
         "{text}"
@@ -537,7 +549,7 @@ fn one_sidecar_serves_several_local_ranks_with_their_own_rings() {
     let mut all: Vec<String> = epochs.iter().flat_map(Epoch::keys).collect();
     all.sort();
     assert_eq!(all, keys, "the two local ranks split the dataset");
-    let text = http(sc.http, "GET", "/metrics", "").1;
+    let text = http::blocking::get(sc.http, "/metrics").unwrap().1;
     assert!(
         text.contains("stoker_trainer_data_wait_seconds_total{rank=\"1\"}"),
         "{text}"

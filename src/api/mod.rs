@@ -6,30 +6,11 @@ pub use v1alpha1::{DataPipeline, DataPipelineSpec, DataPipelineStatus};
 
 use kube::CustomResourceExt;
 
-/// API group of stoker's resources.
-pub const GROUP: &str = "stoker.dev";
-/// Names the pipeline an object belongs to; on a trainer pod it is the opt-in.
-pub const LABEL_PIPELINE: &str = "stoker.dev/pipeline";
-/// `decoder` or `trainer`.
-pub const LABEL_ROLE: &str = "stoker.dev/role";
-/// `true` once a decoder is out of discovery and waiting to be deleted.
-pub const LABEL_DRAINING: &str = "stoker.dev/draining";
-/// Hash of the inputs a decoder pod was built from.
-pub const LABEL_TEMPLATE_HASH: &str = "stoker.dev/template-hash";
-/// When a decoder's drain began (RFC 3339).
-pub const ANNOTATION_DRAIN_STARTED: &str = "stoker.dev/drain-started";
-/// Set by the webhook on the trainer pods it mutated.
-pub const ANNOTATION_INJECTED: &str = "stoker.dev/injected";
-/// A trainer pod's rank, when the training framework sets it as a label or annotation.
-pub const ANNOTATION_RANK: &str = "stoker.dev/rank";
-/// The world size a trainer pod declares.
-pub const ANNOTATION_WORLD_SIZE: &str = "stoker.dev/world-size";
-/// On a trainer pod: the share of batches (0..=1) its sidecar decodes itself, set by the
-/// autoscaler when the trainer node's NIC is the bottleneck; the sidecar watches its own pod
-/// (`LOCAL_SHARE_ANNOTATION` in the loader: the loader does not depend on this crate).
-pub const ANNOTATION_LOCAL_SHARE: &str = "stoker.dev/local-share";
-pub const ROLE_DECODER: &str = "decoder";
-pub const ROLE_TRAINER: &str = "trainer";
+pub use stoker_contract::{
+    ANNOTATION_DRAIN_STARTED, ANNOTATION_INJECTED, ANNOTATION_LOCAL_SHARE, ANNOTATION_RANK,
+    ANNOTATION_WORLD_SIZE, GROUP, LABEL_DRAINING, LABEL_PIPELINE, LABEL_ROLE, LABEL_TEMPLATE_HASH,
+    ROLE_DECODER, ROLE_TRAINER,
+};
 
 /// The CRD manifest exactly as `crds/` and the chart carry it.
 pub fn crd_yaml() -> Result<String, serde_yaml::Error> {

@@ -200,17 +200,7 @@ impl Default for Resize {
     }
 }
 
-/// Resize mode.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub enum ResizeMode {
-    /// Scale the short side to fit, then center-crop to width × height.
-    Crop,
-    /// Scale to fit inside width × height, padding the rest.
-    Fit,
-    /// Qwen2/3-VL "smart resize": keep the aspect ratio, round to patchFactor, clamp pixels.
-    QwenSmart,
-}
+pub use stoker_contract::{GpuPlacement, ResizeMode};
 
 /// Batching.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -277,19 +267,6 @@ fn default_shm() -> String {
 }
 fn default_sa() -> String {
     "default".into()
-}
-
-/// Batch placement on the trainer.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[serde(rename_all = "camelCase")]
-pub enum GpuPlacement {
-    /// Copy to the GPU when one is visible to the sidecar, else hand over host memory.
-    #[default]
-    Auto,
-    /// Always hand over host (shared) memory; the trainer copies.
-    Host,
-    /// Pinned ring plus device copy by the sidecar; fails without a GPU.
-    Device,
 }
 
 /// The decoder fleet.

@@ -1,12 +1,14 @@
 //! The decoder autoscaler. Per pipeline and period: read [`Signals`] from Prometheus
 //! (`prometheus.rs`, the only I/O here), decide with the pure [`policy`], remember the decision
 //! in a [`ScaleHistory`] for the stabilization windows, and export what it saw (`metrics.rs`).
+//! The controller's `autoscaling.rs` is only the adapter that lists nodes, reads Prometheus
+//! and tells the sidecars their local-decode share.
 //!
 //! The controller holds [`AutoscalerSettings`], `settings.reader()` and an [`Autoscaler`]
 //! (behind a mutex) in its context, and per reconcile of a pipeline, when
 //! `autoscaler.due(&pipeline_key(&dp), now, settings.period)`:
 //! ```text
-//! let fleet = DecoderFleet::observe(status.decoders.desired, &decoders, &trainers, world_size, &nodes);
+//! let fleet = DecoderFleet::observe(in_effect, &decoders, &trainers, world_size, &nodes);
 //! let scope = fleet.scope(&namespace, &name, &trainers, settings.defaults.window);
 //! let signals = match prometheus.read(&scope).await {                 // Err: keep the size
 //!     Ok(s) => Some(s),
@@ -14,12 +16,12 @@
 //! };
 //! let decision = autoscaler.step_pipeline(&dp, &settings.defaults, &fleet, signals.as_ref(), now);
 //! metrics.record(&namespace, &name, &decision);
-//! let desired = fleet::desired_replicas(&dp.spec, Some(decision.recommended as i32));
 //! ```
-//! then places new decoders off `decision.avoid_nodes`, drains and replaces
-//! `decision.move_pods`, sends `decision.local_decode_share` to the sidecars, and writes
-//! `decision.condition_reports()`, `decision.observed_signals()` and `decision.reason`
-//! (`status.lastScale`, an Event) into the status.
+//! and on every reconcile, `decoder_count(&dp.spec, decision, in_effect)` is the count the fleet
+//! runs (and why); new decoders go through `keep_off(pod, autoscaler.avoid_nodes(key))`,
+//! `decision.move_pods` drain and are replaced, `decision.local_decode_share` goes to the
+//! sidecars, and `decision.condition_reports()`, `decision.observed_signals()` and the reason
+//! (`status.lastScale`, an Event) go into the status.
 
 pub mod metrics;
 pub mod policy;
@@ -34,11 +36,12 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
 use crate::api::DataPipeline;
-use crate::api::v1alpha1::{DataPipelineSpec, ObservedSignals};
+use crate::api::v1alpha1::ObservedSignals;
 use prometheus::SignalScope;
 
 pub use policy::{
-    AutoscalingPolicy, DecoderFleet, ScaleConditions, ScaleDecision, ScaleHistory, decide,
+    AutoscalingPolicy, DecoderCount, DecoderFleet, ScaleConditions, ScaleDecision, ScaleHistory,
+    decide, decoder_count, keep_off,
 };
 pub use signals::{DecoderSignal, NodeNetwork, Signals};
 
@@ -81,36 +84,6 @@ impl AutoscalerSettings {
     }
 }
 
-impl AutoscalingPolicy {
-    /// The policy a `DataPipeline` asks for. Knobs the CRD does not carry yet (headroom,
-    /// tolerance, window, S3 throttle limit, local-decode cap, default link speed) keep their
-    /// defaults.
-    pub fn from_spec(spec: &DataPipelineSpec) -> Self {
-        Self::from_spec_over(spec, &Self::default())
-    }
-
-    /// The spec's fields over operator-wide `defaults` for the knobs the CRD does not carry.
-    pub fn from_spec_over(spec: &DataPipelineSpec, defaults: &AutoscalingPolicy) -> Self {
-        let a = &spec.autoscaling;
-        let d = &spec.decoders;
-        let count = |n: i32| u32::try_from(n).unwrap_or(0);
-        let seconds = |n: i32| Duration::from_secs(u64::try_from(n).unwrap_or(0));
-        Self {
-            mode: a.mode,
-            min_replicas: count(d.min_replicas),
-            max_replicas: count(d.max_replicas),
-            fixed_replicas: a.replicas.map(count),
-            target_data_wait: f64::from(a.target_data_wait_percent) / 100.0,
-            max_nic_utilization: f64::from(a.max_nic_utilization_percent) / 100.0,
-            scale_up_stabilization: seconds(a.scale_up_stabilization_seconds),
-            scale_down_stabilization: seconds(a.scale_down_stabilization_seconds),
-            max_scale_up_step: count(a.max_scale_up_step).max(1),
-            max_scale_down_step: count(a.max_scale_down_step).max(1),
-            ..defaults.clone()
-        }
-    }
-}
-
 /// A node's link speed in gigabits per second, for nodes whose node-exporter reports none.
 pub const ANNOTATION_NIC_GBPS: &str = "stoker.dev/nic-gbps";
 
@@ -119,10 +92,10 @@ impl DecoderFleet {
     /// (`status.decoders.desired`), `world_size` the trainers' declared world size. Pods that
     /// are terminating or not yet scheduled have no node and place nothing.
     pub fn observe(
-        replicas: i32,
+        replicas: u32,
         decoders: &[Pod],
         trainers: &[Pod],
-        world_size: i32,
+        world_size: u32,
         nodes: &[Node],
     ) -> Self {
         let node_of = |p: &Pod| p.spec.as_ref().and_then(|s| s.node_name.clone());
@@ -132,13 +105,13 @@ impl DecoderFleet {
             *trainer_nodes.entry(node).or_default() += 1;
         }
         Self {
-            replicas: u32::try_from(replicas).unwrap_or(0),
+            replicas,
             pods: decoders
                 .iter()
                 .filter(live)
                 .filter_map(|p| node_of(p).map(|n| (p.name_any(), n)))
                 .collect(),
-            trainers: u32::try_from(world_size).unwrap_or(0),
+            trainers: world_size,
             trainer_nodes,
             node_link_bytes_per_second: nodes
                 .iter()
@@ -231,6 +204,14 @@ impl Autoscaler {
             .get(pipeline)
             .and_then(ScaleHistory::decided_at)
             .is_none_or(|t| now.duration_since(t).as_secs_f64() >= period.as_secs_f64())
+    }
+
+    /// Nodes new decoders of `pipeline` must not land on, from its latest decision.
+    pub fn avoid_nodes(&self, pipeline: &str) -> Vec<String> {
+        self.pipelines
+            .get(pipeline)
+            .map(|h| h.avoid_nodes().to_vec())
+            .unwrap_or_default()
     }
 
     /// Drops a deleted pipeline's history.
@@ -432,6 +413,41 @@ mod tests {
         assert!(!autoscaler.due("training/qwen3vl-pretrain", later(29), period));
         assert!(autoscaler.due("training/qwen3vl-pretrain", later(30), period));
         assert!(autoscaler.due("training/other", later(0), period));
+    }
+
+    #[test]
+    fn new_decoders_avoid_what_the_last_decision_found_hot() {
+        let key = "training/qwen";
+        let link = signals::gbps_to_bytes_per_second(10.0);
+        let fleet = DecoderFleet {
+            replicas: 1,
+            pods: BTreeMap::from([("d-0".into(), "cpu-0".into())]),
+            ..DecoderFleet::default()
+        };
+        let hot = Signals {
+            nodes: BTreeMap::from([(
+                "cpu-0".into(),
+                NodeNetwork {
+                    receive_bytes_per_second: 0.95 * link,
+                    transmit_bytes_per_second: 0.0,
+                    link_bytes_per_second: Some(link),
+                },
+            )]),
+            ..Signals::default()
+        };
+        let policy = AutoscalingPolicy::default();
+        let mut autoscaler = Autoscaler::default();
+        let at = |s: i64| Timestamp::from_second(s).expect("valid time");
+        autoscaler.step(key, &policy, &fleet, Some(&hot), at(0));
+        assert_eq!(autoscaler.avoid_nodes(key), ["cpu-0"]);
+        autoscaler.step(key, &policy, &fleet, Some(&Signals::default()), at(30));
+        assert!(
+            autoscaler.avoid_nodes(key).is_empty(),
+            "the next decision decides anew"
+        );
+        autoscaler.step(key, &policy, &fleet, Some(&hot), at(60));
+        autoscaler.forget(key);
+        assert!(autoscaler.avoid_nodes(key).is_empty());
     }
 
     #[test]

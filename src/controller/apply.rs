@@ -1,17 +1,127 @@
-//! The I/O half of a reconcile: server-side apply of children and the fleet plan's pod changes.
+//! The I/O half of a reconcile: server-side apply of the children in [`Desired`] and the
+//! decoder pods' creates, drains and deletes.
 
+use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use super::Error;
+use super::desired::{DecoderChanges, Desired};
+use super::reconcile::PipelineKey;
+use super::{ChildStores, Context, Error, FIELD_MANAGER};
 use crate::api::{ANNOTATION_DRAIN_STARTED, LABEL_DRAINING};
+
+/// Pod writes one reconcile keeps in flight: fast scale-up without a burst that trips API
+/// priority and fairness.
+const POD_WRITES_IN_FLIGHT: usize = 16;
+
+/// Applies every child of `desired`. Taking [`Desired`] apart field by field (no `..`) is
+/// what makes a new child fail to compile until it is applied here.
+pub async fn apply_desired(
+    ctx: &Context,
+    key: &PipelineKey,
+    desired: &Desired,
+    now: Timestamp,
+) -> Result<(), Error> {
+    let Desired {
+        service,
+        network_policy,
+        sidecar_role,
+        sidecar_role_binding,
+        decoders,
+    } = desired;
+    let client = &ctx.client;
+    // The watches' copies: children already as built are not applied again.
+    let cached = ctx.children();
+    let c = cached.as_ref();
+    let applied = futures::try_join!(
+        apply_child(
+            client,
+            service,
+            c.and_then(|c| ChildStores::live(&c.services, service))
+        ),
+        apply_child(
+            client,
+            network_policy,
+            c.and_then(|c| ChildStores::live(&c.network_policies, network_policy))
+        ),
+        apply_child(
+            client,
+            sidecar_role,
+            c.and_then(|c| ChildStores::live(&c.roles, sidecar_role))
+        ),
+        apply_child(
+            client,
+            sidecar_role_binding,
+            c.and_then(|c| ChildStores::live(&c.role_bindings, sidecar_role_binding))
+        ),
+    )?;
+    let (a, b, c, d) = applied;
+    ctx.metrics.children_applied(&[a, b, c, d]);
+    apply_decoder_changes(ctx, key, decoders, now).await
+}
+
+/// Creates, drains and deletes decoder pods, each remembered as it lands (see
+/// [`super::expectations`]), so one failed write forgets none of the others.
+async fn apply_decoder_changes(
+    ctx: &Context,
+    key: &PipelineKey,
+    changes: &DecoderChanges,
+    now: Timestamp,
+) -> Result<(), Error> {
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &key.0);
+    let remember = |written: Vec<Pod>, deleted: Vec<String>| {
+        ctx.pod_writes.record(key.clone(), written, deleted);
+    };
+    // Futures are made eagerly (Vecs, not lazy maps) so the reconcile future stays Send.
+    let mut creates = Vec::new();
+    for pod in &changes.create {
+        creates.push(create(&pods, pod));
+    }
+    let mut drains = Vec::new();
+    for name in &changes.drain {
+        drains.push(drain(&pods, name, FIELD_MANAGER, now));
+    }
+    let mut deletes = Vec::new();
+    for pod in &changes.delete {
+        let pods = &pods;
+        deletes.push(async move { delete(pods, pod).await.map(|()| pod.clone()) });
+    }
+    let limit = POD_WRITES_IN_FLIGHT;
+    futures::try_join!(
+        stream::iter(creates)
+            .buffer_unordered(limit)
+            .inspect_ok(|pod| remember(vec![pod.clone()], vec![]))
+            .try_collect::<Vec<Pod>>(),
+        stream::iter(drains)
+            .buffer_unordered(limit)
+            .inspect_ok(|pod| remember(pod.iter().cloned().collect(), vec![]))
+            .try_collect::<Vec<Option<Pod>>>(),
+        stream::iter(deletes)
+            .buffer_unordered(limit)
+            .inspect_ok(|name| remember(vec![], vec![name.clone()]))
+            .try_collect::<Vec<String>>(),
+    )?;
+    Ok(())
+}
+
+/// Creates a decoder pod the API server names (`generateName`).
+async fn create(api: &Api<Pod>, pod: &Pod) -> Result<Pod, Error> {
+    let params = PostParams {
+        field_manager: Some(FIELD_MANAGER.to_string()),
+        ..PostParams::default()
+    };
+    api.create(&params, pod).await.map_err(|source| {
+        let name = pod.metadata.generate_name.clone().unwrap_or_default();
+        pod_err("create", api, &name, source)
+    })
+}
 
 /// A namespaced object the operator applies.
 pub trait Child:
@@ -34,7 +144,7 @@ impl<K> Child for K where
 
 /// Applies one child with the operator's field manager. Applying an object that is already
 /// right changes nothing on the server (no new resourceVersion).
-pub async fn apply<K: Child>(client: &Client, obj: &K, field_manager: &str) -> Result<K, Error> {
+async fn apply<K: Child>(client: &Client, obj: &K, field_manager: &str) -> Result<K, Error> {
     let namespace = obj.namespace().unwrap_or_default();
     let name = obj.name_any();
     let api: Api<K> = Api::namespaced(client.clone(), &namespace);
@@ -74,13 +184,12 @@ pub async fn apply_child<K: Child>(
     client: &Client,
     obj: &K,
     live: Option<std::sync::Arc<K>>,
-    field_manager: &str,
 ) -> Result<bool, Error> {
     let stamped = stamp_applied_hash(obj);
     if live.is_some_and(|live| unchanged(&stamped, &live)) {
         return Ok(false);
     }
-    apply(client, &stamped, field_manager).await?;
+    apply(client, &stamped, FIELD_MANAGER).await?;
     Ok(true)
 }
 
@@ -149,7 +258,6 @@ fn short_kind<K: Resource<DynamicType = ()>>() -> &'static str {
     match K::kind(&()).as_ref() {
         "Pod" => "Pod",
         "Service" => "Service",
-        "ConfigMap" => "ConfigMap",
         "NetworkPolicy" => "NetworkPolicy",
         "Role" => "Role",
         "RoleBinding" => "RoleBinding",

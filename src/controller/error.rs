@@ -18,6 +18,12 @@ pub enum Error {
     },
     #[error("DataPipeline {0} has no namespace")]
     MissingNamespace(String),
+    #[error("loader arguments for DataPipeline {name}: {source}")]
+    LoaderArgs {
+        name: String,
+        #[source]
+        source: stoker_contract::RenderError,
+    },
 }
 
 impl Error {
@@ -33,6 +39,7 @@ impl Error {
             },
             Self::Build { .. } => "build",
             Self::MissingNamespace(_) => "invalid_object",
+            Self::LoaderArgs { source, .. } => source.category(),
         }
     }
 }

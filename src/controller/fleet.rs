@@ -7,21 +7,8 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
-use crate::api::v1alpha1::{AutoscalingMode, DataPipelineSpec, DecoderFleetStatus};
+use crate::api::v1alpha1::DecoderFleetStatus;
 use crate::api::{ANNOTATION_DRAIN_STARTED, LABEL_DRAINING, LABEL_TEMPLATE_HASH};
-
-/// The number of decoders the pipeline should run now. `recommended` is the autoscaler's
-/// answer when it has one; until then (and in `recommend` mode) the fleet holds minReplicas.
-pub fn desired_replicas(spec: &DataPipelineSpec, recommended: Option<i32>) -> i32 {
-    let d = &spec.decoders;
-    match spec.autoscaling.mode {
-        AutoscalingMode::Off => spec.autoscaling.replicas.unwrap_or(d.min_replicas),
-        AutoscalingMode::Recommend => d.min_replicas,
-        AutoscalingMode::Auto => recommended
-            .unwrap_or(d.min_replicas)
-            .clamp(d.min_replicas, d.max_replicas.max(d.min_replicas)),
-    }
-}
 
 /// What one reconcile does to the decoder pods.
 #[derive(Debug, Default, PartialEq)]
@@ -353,21 +340,5 @@ mod tests {
         ];
         let s = fleet_status(&pods, 3);
         assert_eq!((s.desired, s.ready, s.draining, s.nodes), (3, 2, 1, 1));
-    }
-
-    #[test]
-    fn desired_follows_the_mode() {
-        let dp: crate::api::DataPipeline =
-            serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
-                .expect("fixture");
-        assert_eq!(desired_replicas(&dp.spec, None), 4);
-        assert_eq!(desired_replicas(&dp.spec, Some(100)), 64);
-        assert_eq!(desired_replicas(&dp.spec, Some(10)), 10);
-        let mut spec = dp.spec.clone();
-        spec.autoscaling.mode = AutoscalingMode::Recommend;
-        assert_eq!(desired_replicas(&spec, Some(10)), 4);
-        spec.autoscaling.mode = AutoscalingMode::Off;
-        spec.autoscaling.replicas = Some(7);
-        assert_eq!(desired_replicas(&spec, Some(10)), 7);
     }
 }

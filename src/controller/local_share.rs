@@ -67,7 +67,7 @@ pub async fn tell(client: &Client, namespace: &str, trainers: &[Pod], share: f64
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::webhook::inject::SIDECAR_NAME;
+    use crate::build::sidecar::SIDECAR_NAME;
 
     fn trainer(name: &str, injected: bool, share: Option<&str>) -> Pod {
         let init = if injected {

@@ -3,7 +3,7 @@
 
 pub mod apply;
 pub mod autoscaling;
-pub mod build;
+pub mod desired;
 mod error;
 pub mod expectations;
 pub mod fleet;
@@ -18,7 +18,7 @@ use std::time::Duration;
 
 pub use error::Error;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::Api;
@@ -30,8 +30,8 @@ use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER, ROLE_TRAINER};
+use crate::build::BuildDefaults;
 use crate::telemetry::Metrics;
-use build::BuildDefaults;
 
 /// The one field manager for everything the operator writes.
 pub const FIELD_MANAGER: &str = "stoker-operator";
@@ -65,7 +65,6 @@ pub struct Context {
 pub struct ChildStores {
     pub decoders: Store<Pod>,
     pub trainers: Store<Pod>,
-    pub config_maps: Store<ConfigMap>,
     pub services: Store<Service>,
     pub network_policies: Store<NetworkPolicy>,
     pub roles: Store<Role>,
@@ -193,7 +192,6 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     let trainer_pods = watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_TRAINER}"));
     let (decoders, decoder_changes) = cached(scoped::<Pod>(&client, ns), &decoder_pods);
     let (trainers, trainer_changes) = cached(scoped::<Pod>(&client, ns), &trainer_pods);
-    let (config_maps, config_map_changes) = cached(scoped::<ConfigMap>(&client, ns), &managed);
     let (services, service_changes) = cached(scoped::<Service>(&client, ns), &managed);
     let (network_policies, network_policy_changes) =
         cached(scoped::<NetworkPolicy>(&client, ns), &managed);
@@ -204,7 +202,6 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     ctx.set_children(Some(ChildStores {
         decoders,
         trainers,
-        config_maps,
         services,
         network_policies,
         roles,
@@ -217,7 +214,6 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     )
     .with_config(kube::runtime::Config::default().concurrency(MAX_CONCURRENT_RECONCILES))
     .owns_stream(decoder_changes)
-    .owns_stream(config_map_changes)
     .owns_stream(service_changes)
     .owns_stream(network_policy_changes)
     .owns_stream(role_changes)

@@ -5,7 +5,7 @@ use kube::ResourceExt;
 
 use crate::api::v1alpha1::TrainerStatus;
 use crate::api::{ANNOTATION_INJECTED, ANNOTATION_WORLD_SIZE};
-use crate::webhook::inject::{RANK_SOURCES, SIDECAR_NAME};
+use crate::build::sidecar::{RANK_SOURCES, SIDECAR_NAME};
 
 fn is_live(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_none()

@@ -1,7 +1,7 @@
 //! Checks the API server cannot make (its CEL rules cover the rest). Pure.
 
 use crate::api::DataPipelineSpec;
-use crate::controller::build::BuildDefaults;
+use crate::build::BuildDefaults;
 
 /// Problems that keep the pipeline from running as written; empty when it can.
 pub fn validate(spec: &DataPipelineSpec, defaults: &BuildDefaults) -> Vec<String> {

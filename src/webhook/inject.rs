@@ -1,51 +1,29 @@
-//! Sidecar injection, pure: a trainer pod and its pipeline in, a JSON patch out.
-//!
-//! The loader runs as a native sidecar (an init container with `restartPolicy: Always`) whose
-//! startup probe passes once its unix socket listens, so the trainer containers start only when
-//! they can connect. Applying the patch to an already injected pod yields an empty patch.
+//! Sidecar injection, pure: a trainer pod and its pipeline in, a JSON patch out. The sidecar
+//! and its volume come from [`crate::build::sidecar`]; applying the patch to an already injected
+//! pod yields an empty patch.
 
-use k8s_openapi::api::core::v1::{
-    ConfigMapVolumeSource, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction,
-    ObjectFieldSelector, Pod, Probe, ResourceRequirements, Volume, VolumeMount,
-};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::ResourceExt;
 
-use crate::api::{
-    ANNOTATION_INJECTED, ANNOTATION_RANK, ANNOTATION_WORLD_SIZE, DataPipeline, LABEL_ROLE,
-    ROLE_TRAINER,
+use crate::api::{ANNOTATION_INJECTED, DataPipeline, LABEL_ROLE, ROLE_TRAINER};
+use crate::build::BuildDefaults;
+use crate::build::sidecar::{
+    SHM_VOLUME, SIDECAR_NAME, client_env, env, shm_mount, shm_volume, sidecar,
 };
-use crate::controller::build::decoder_pod::{credentials_env_from, restricted_security_context};
-use crate::controller::build::{CONFIG_DIR, config_map_name, decoder_discovery_selector};
-
-pub const SIDECAR_NAME: &str = "stoker-loader";
-pub const SHM_VOLUME: &str = "stoker-shm";
-pub const CONFIG_VOLUME: &str = "stoker-config";
-/// Where the shared-memory ring lives, in the sidecar and in every trainer container.
-pub const SHM_DIR: &str = "/dev/shm/stoker";
-/// The unix socket the trainer's `stoker` client connects to.
-pub const SOCKET_PATH: &str = "/dev/shm/stoker/stoker.sock";
-/// The sidecar's metrics and readiness port; `/readyz` passes once the socket listens.
-pub const SIDECAR_HEALTH_PORT: i32 = 9091;
-
-/// Operator-wide inputs to injection.
-#[derive(Clone, Debug)]
-pub struct InjectConfig {
-    pub loader_image: String,
-    pub sidecar_resources: Option<ResourceRequirements>,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum InjectError {
     #[error("pod could not be serialized: {0}")]
     Serialize(#[from] serde_json::Error),
+    #[error(transparent)]
+    LoaderArgs(#[from] stoker_contract::RenderError),
 }
 
 impl InjectError {
     pub fn category(&self) -> &'static str {
         match self {
             Self::Serialize(_) => "serialize",
+            Self::LoaderArgs(e) => e.category(),
         }
     }
 }
@@ -54,17 +32,21 @@ impl InjectError {
 pub fn injection_patch(
     pod: &Pod,
     dp: &DataPipeline,
-    cfg: &InjectConfig,
+    defaults: &BuildDefaults,
 ) -> Result<json_patch::Patch, InjectError> {
     let before = serde_json::to_value(pod)?;
-    let after = serde_json::to_value(inject(pod.clone(), dp, cfg))?;
+    let after = serde_json::to_value(inject(pod.clone(), dp, defaults)?)?;
     Ok(json_patch::diff(&before, &after))
 }
 
 /// The injected pod. Each step adds only what is missing, which makes re-invocation a no-op.
-pub fn inject(mut pod: Pod, dp: &DataPipeline, cfg: &InjectConfig) -> Pod {
+pub fn inject(
+    mut pod: Pod,
+    dp: &DataPipeline,
+    defaults: &BuildDefaults,
+) -> Result<Pod, InjectError> {
     let pipeline = dp.name_any();
-    let loader = sidecar(&pod, dp, cfg);
+    let loader = sidecar(&pod, dp, defaults)?;
     pod.labels_mut()
         .entry(LABEL_ROLE.to_string())
         .or_insert_with(|| ROLE_TRAINER.to_string());
@@ -72,30 +54,12 @@ pub fn inject(mut pod: Pod, dp: &DataPipeline, cfg: &InjectConfig) -> Pod {
         .entry(ANNOTATION_INJECTED.to_string())
         .or_insert_with(|| "true".to_string());
     let Some(spec) = pod.spec.as_mut() else {
-        return pod;
+        return Ok(pod);
     };
 
     let volumes = spec.volumes.get_or_insert_with(Vec::new);
     if !volumes.iter().any(|v| v.name == SHM_VOLUME) {
-        volumes.push(Volume {
-            name: SHM_VOLUME.to_string(),
-            empty_dir: Some(EmptyDirVolumeSource {
-                medium: Some("Memory".to_string()),
-                size_limit: Some(Quantity(dp.spec.trainer.shared_memory.clone())),
-                ..EmptyDirVolumeSource::default()
-            }),
-            ..Volume::default()
-        });
-    }
-    if !volumes.iter().any(|v| v.name == CONFIG_VOLUME) {
-        volumes.push(Volume {
-            name: CONFIG_VOLUME.to_string(),
-            config_map: Some(ConfigMapVolumeSource {
-                name: config_map_name(&pipeline),
-                ..ConfigMapVolumeSource::default()
-            }),
-            ..Volume::default()
-        });
+        volumes.push(shm_volume(dp));
     }
 
     for c in &mut spec.containers {
@@ -107,23 +71,7 @@ pub fn inject(mut pod: Pod, dp: &DataPipeline, cfg: &InjectConfig) -> Pod {
         // First, so that any later init container can already read batches.
         inits.insert(0, loader);
     }
-    pod
-}
-
-fn env(name: &str, value: &str) -> EnvVar {
-    EnvVar {
-        name: name.to_string(),
-        value: Some(value.to_string()),
-        ..EnvVar::default()
-    }
-}
-
-fn shm_mount() -> VolumeMount {
-    VolumeMount {
-        name: SHM_VOLUME.to_string(),
-        mount_path: SHM_DIR.to_string(),
-        ..VolumeMount::default()
-    }
+    Ok(pod)
 }
 
 /// The trainer container's side of the contract: the ring mounted, and where to connect.
@@ -133,188 +81,21 @@ fn add_client_wiring(c: &mut Container, pipeline: &str) {
         mounts.push(shm_mount());
     }
     let envs = c.env.get_or_insert_with(Vec::new);
-    for (k, v) in [
-        ("STOKER_SOCKET", SOCKET_PATH),
-        ("STOKER_SHM_DIR", SHM_DIR),
-        ("STOKER_PIPELINE", pipeline),
-    ] {
+    for (k, v) in client_env(pipeline) {
         if !envs.iter().any(|e| e.name == k) {
             envs.push(env(k, v));
         }
     }
 }
 
-fn field_env(name: &str, path: &str) -> EnvVar {
-    EnvVar {
-        name: name.to_string(),
-        value_from: Some(EnvVarSource {
-            field_ref: Some(ObjectFieldSelector {
-                field_path: path.to_string(),
-                ..ObjectFieldSelector::default()
-            }),
-            ..EnvVarSource::default()
-        }),
-        ..EnvVar::default()
-    }
-}
-
-/// Where a trainer pod's rank comes from when its containers do not set `RANK`: our own
-/// annotation, else the completion index of an Indexed Job (JobSet, torchrun on Jobs).
-pub const RANK_SOURCES: [&str; 2] = [ANNOTATION_RANK, "batch.kubernetes.io/job-completion-index"];
-
-/// `RANK`, `WORLD_SIZE` and `LOCAL_RANK` for the sidecar, which shards the epoch by them: copied
-/// from the trainer containers' own definitions (literal or downward API), else read through
-/// the downward API from the pod's annotations.
-fn rank_env(pod: &Pod) -> Vec<EnvVar> {
-    let defined = |name: &str| {
-        pod.spec
-            .iter()
-            .flat_map(|s| s.containers.iter())
-            .flat_map(|c| c.env.iter().flatten())
-            .find(|e| e.name == name)
-            .cloned()
-    };
-    let annotated = |key: &str| pod.annotations().contains_key(key);
-    let from_annotation =
-        |name: &str, key: &str| field_env(name, &format!("metadata.annotations['{key}']"));
-    let mut out = Vec::new();
-    match defined("RANK") {
-        Some(e) => out.push(e),
-        None => {
-            if let Some(key) = RANK_SOURCES.into_iter().find(|k| annotated(k)) {
-                out.push(from_annotation("RANK", key));
-            }
-        }
-    }
-    match defined("WORLD_SIZE") {
-        Some(e) => out.push(e),
-        None if annotated(ANNOTATION_WORLD_SIZE) => {
-            out.push(from_annotation("WORLD_SIZE", ANNOTATION_WORLD_SIZE));
-        }
-        None => {}
-    }
-    out.extend(defined("LOCAL_RANK"));
-    out
-}
-
-/// Bytes of a Kubernetes quantity with a binary or decimal suffix; `None` for forms this
-/// does not read (then the ring is not added to the sidecar's memory).
-pub fn quantity_bytes(q: &str) -> Option<u64> {
-    let q = q.trim();
-    let split = q.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(q.len());
-    let (number, suffix) = q.split_at(split);
-    let factor: u64 = match suffix {
-        "" => 1,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        "k" => 1_000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "T" => 1_000_000_000_000,
-        _ => return None,
-    };
-    let n: f64 = number.parse().ok()?;
-    (n >= 0.0).then(|| (n * factor as f64).ceil() as u64)
-}
-
-/// The sidecar's resources: the operator's base plus the shared-memory ring on memory, since
-/// tmpfs pages the sidecar writes are charged to its cgroup. Requests equal limits where the
-/// base sets both, so a Guaranteed trainer pod stays Guaranteed.
-fn sidecar_resources(base: &ResourceRequirements, shared_memory: &str) -> ResourceRequirements {
-    let mut r = base.clone();
-    let Some(ring) = quantity_bytes(shared_memory) else {
-        return r;
-    };
-    for list in [r.requests.as_mut(), r.limits.as_mut()]
-        .into_iter()
-        .flatten()
-    {
-        if let Some(mem) = list.get_mut("memory")
-            && let Some(b) = quantity_bytes(&mem.0)
-        {
-            *mem = Quantity((b + ring).to_string());
-        }
-    }
-    r
-}
-
-/// The loader sidecar container.
-pub fn sidecar(pod: &Pod, dp: &DataPipeline, cfg: &InjectConfig) -> Container {
-    let pipeline = dp.name_any();
-    let probe = |period: i32, failures: i32| Probe {
-        http_get: Some(HTTPGetAction {
-            path: Some("/readyz".to_string()),
-            port: IntOrString::Int(SIDECAR_HEALTH_PORT),
-            ..HTTPGetAction::default()
-        }),
-        period_seconds: Some(period),
-        failure_threshold: Some(failures),
-        ..Probe::default()
-    };
-    let args = crate::controller::build::loader_args::sidecar_args(
-        dp,
-        &decoder_discovery_selector(&pipeline),
-        SOCKET_PATH,
-        SHM_DIR,
-        SIDECAR_HEALTH_PORT,
-    );
-    let mut security = restricted_security_context();
-    security.run_as_user = Some(65532);
-    Container {
-        name: SIDECAR_NAME.to_string(),
-        image: Some(
-            dp.spec
-                .decoders
-                .image
-                .clone()
-                .unwrap_or_else(|| cfg.loader_image.clone()),
-        ),
-        args: Some(args),
-        restart_policy: Some("Always".to_string()),
-        env: Some(
-            [
-                field_env("STOKER_POD_NAME", "metadata.name"),
-                field_env("STOKER_NODE_NAME", "spec.nodeName"),
-                env("STOKER_SOCKET", SOCKET_PATH),
-                env("STOKER_SHM_DIR", SHM_DIR),
-            ]
-            .into_iter()
-            .chain(rank_env(pod))
-            .collect(),
-        ),
-        env_from: credentials_env_from(dp),
-        ports: Some(vec![k8s_openapi::api::core::v1::ContainerPort {
-            name: Some("stoker-metrics".to_string()),
-            container_port: SIDECAR_HEALTH_PORT,
-            protocol: Some("TCP".to_string()),
-            ..Default::default()
-        }]),
-        // The trainer containers start only after this passes: the socket is listening.
-        startup_probe: Some(probe(1, 600)),
-        readiness_probe: Some(probe(5, 3)),
-        resources: cfg
-            .sidecar_resources
-            .as_ref()
-            .map(|base| sidecar_resources(base, &dp.spec.trainer.shared_memory)),
-        security_context: Some(security),
-        volume_mounts: Some(vec![
-            shm_mount(),
-            VolumeMount {
-                name: CONFIG_VOLUME.to_string(),
-                mount_path: CONFIG_DIR.to_string(),
-                read_only: Some(true),
-                ..VolumeMount::default()
-            },
-        ]),
-        ..Container::default()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::ANNOTATION_WORLD_SIZE;
+    use crate::build::sidecar::quantity_bytes;
+    use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use stoker_contract::{SHM_DIR, SOCKET_PATH};
 
     fn dp() -> DataPipeline {
         serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
@@ -326,8 +107,8 @@ mod tests {
             .expect("fixture")
     }
 
-    fn cfg() -> InjectConfig {
-        InjectConfig {
+    fn cfg() -> BuildDefaults {
+        BuildDefaults {
             loader_image: "loader:test".into(),
             sidecar_resources: None,
         }
@@ -483,7 +264,8 @@ mod tests {
         assert_eq!(quantity_bytes("1.5Mi"), Some(1_572_864));
         assert_eq!(quantity_bytes("500M"), Some(500_000_000));
         assert_eq!(quantity_bytes("1024"), Some(1024));
-        assert_eq!(quantity_bytes("1e3"), None);
+        assert_eq!(quantity_bytes("1e3"), Some(1000));
+        assert_eq!(quantity_bytes("two gigs"), None);
     }
 
     #[test]

@@ -10,21 +10,21 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::service::TowerToHyperService;
+use axum_server::Handle;
+use axum_server::tls_rustls::RustlsConfig;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use kube::{Client, ResourceExt};
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{DataPipeline, LABEL_PIPELINE};
+use crate::build::BuildDefaults;
 use crate::telemetry::Metrics;
-use inject::{InjectConfig, injection_patch};
-use tls::{CertStore, TlsSource};
+use inject::injection_patch;
+use tls::TlsSource;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WebhookError {
@@ -53,13 +53,13 @@ pub struct WebhookConfig {
     pub tls: TlsSource,
     /// How often the certificate is re-read (files) or checked for renewal (self-managed).
     pub refresh_interval: Duration,
-    pub inject: InjectConfig,
+    pub inject: BuildDefaults,
 }
 
 #[derive(Clone)]
 struct Handler {
     client: Client,
-    inject: InjectConfig,
+    inject: BuildDefaults,
     metrics: Arc<Metrics>,
 }
 
@@ -156,6 +156,10 @@ pub fn url_configuration(name: &str, namespace: &str, url: &str) -> MutatingWebh
     .expect("a literal MutatingWebhookConfiguration deserializes")
 }
 
+/// How long in-flight admissions may finish after `shutdown`: the API server gives each call
+/// 10 s (the configuration's timeoutSeconds).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 /// Loads (or issues) the certificate, binds, and serves until `shutdown`.
 pub async fn serve(
     client: Client,
@@ -163,28 +167,20 @@ pub async fn serve(
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> Result<WebhookServer, WebhookError> {
-    let store = CertStore::new(load_certificate(&client, &config.tls).await?);
-    let tls_config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(tls::TlsError::from)?
-    .with_no_client_auth()
-    .with_cert_resolver(store.clone());
-    let mut tls_config = tls_config;
-    tls_config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls_config));
-
-    let listener = TcpListener::bind(config.listen)
+    let (cert, key) = load_certificate(&client, &config.tls).await?;
+    let rustls = RustlsConfig::from_pem(cert, key)
         .await
-        .map_err(|source| WebhookError::Bind {
-            addr: config.listen,
-            source,
-        })?;
-    let local_addr = listener.local_addr().map_err(|source| WebhookError::Bind {
+        .map_err(tls::TlsError::Load)?;
+    let bind_error = |source| WebhookError::Bind {
         addr: config.listen,
         source,
-    })?;
+    };
+    let listener = std::net::TcpListener::bind(config.listen).map_err(bind_error)?;
+    let local_addr = listener.local_addr().map_err(bind_error)?;
+    let handle = Handle::new();
+    let server = axum_server::from_tcp_rustls(listener, rustls.clone())
+        .map_err(bind_error)?
+        .handle(handle.clone());
     let app = Router::new()
         .route("/mutate", post(mutate))
         .route("/healthz", get(|| async { "ok" }))
@@ -195,39 +191,22 @@ pub async fn serve(
         });
 
     tokio::spawn(refresh_certificate(
-        client,
-        config.clone(),
-        store,
-        shutdown.clone(),
+        client, config, rustls, handle, shutdown,
     ));
     let task = tokio::spawn(async move {
-        loop {
-            let accepted = tokio::select! {
-                () = shutdown.cancelled() => break,
-                a = listener.accept() => a,
-            };
-            let Ok((stream, _)) = accepted else { continue };
-            let acceptor = acceptor.clone();
-            let app = app.clone();
-            tokio::spawn(async move {
-                let Ok(tls) = acceptor.accept(stream).await else {
-                    return;
-                };
-                let service = TowerToHyperService::new(app);
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(tls), service)
-                    .await;
-            });
+        if let Err(e) = server.serve(app.into_make_service()).await {
+            tracing::error!(error = %e, "webhook server stopped");
         }
     });
     tracing::info!(%local_addr, "webhook listening");
     Ok(WebhookServer { local_addr, task })
 }
 
+/// The serving certificate and its key, PEM; issued first when self-managed.
 async fn load_certificate(
     client: &Client,
     source: &TlsSource,
-) -> Result<Arc<rustls::sign::CertifiedKey>, tls::TlsError> {
+) -> Result<(Vec<u8>, Vec<u8>), tls::TlsError> {
     match source {
         TlsSource::Files { cert, key } => {
             let read = |p: &std::path::PathBuf| {
@@ -236,35 +215,44 @@ async fn load_certificate(
                     source,
                 })
             };
-            tls::certified_key(&read(cert)?, &read(key)?)
+            Ok((read(cert)?, read(key)?))
         }
         TlsSource::SelfManaged(cfg) => {
             let issued = tls::ensure_secret(client, cfg).await?;
             if tls::patch_ca_bundle(client, &cfg.webhook_configuration, &issued.ca_pem).await? {
                 tracing::info!(webhook = %cfg.webhook_configuration, "caBundle updated");
             }
-            tls::certified_key(issued.cert_pem.as_bytes(), issued.key_pem.as_bytes())
+            Ok((issued.cert_pem.into_bytes(), issued.key_pem.into_bytes()))
         }
     }
 }
 
-/// Re-reads or renews the certificate periodically; a failure keeps the current one.
+/// Re-reads or renews the certificate periodically (a failure keeps the current one) and stops
+/// the server gracefully on `shutdown`.
 async fn refresh_certificate(
     client: Client,
     config: WebhookConfig,
-    store: Arc<CertStore>,
+    rustls: RustlsConfig,
+    server: Handle<std::net::SocketAddr>,
     shutdown: CancellationToken,
 ) {
     loop {
         tokio::select! {
-            () = shutdown.cancelled() => return,
+            () = shutdown.cancelled() => {
+                server.graceful_shutdown(Some(SHUTDOWN_GRACE));
+                return;
+            }
             () = tokio::time::sleep(config.refresh_interval) => {}
         }
-        match load_certificate(&client, &config.tls).await {
-            Ok(key) => store.replace(key),
-            Err(e) => {
-                tracing::warn!(error = %e, category = e.category(), "webhook certificate refresh failed")
-            }
+        let reloaded = match load_certificate(&client, &config.tls).await {
+            Ok((cert, key)) => rustls
+                .reload_from_pem(cert, key)
+                .await
+                .map_err(tls::TlsError::Load),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = reloaded {
+            tracing::warn!(error = %e, category = e.category(), "webhook certificate refresh failed");
         }
     }
 }

@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use base64::Engine;
@@ -16,11 +15,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, PostParams};
-use rustls::crypto::ring::sign::any_supported_type;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::{ClientHello, ResolvesServerCert};
-use rustls::sign::CertifiedKey;
 
 const ANNOTATION_NOT_AFTER: &str = "stoker.dev/not-after";
 const ANNOTATION_SANS: &str = "stoker.dev/sans";
@@ -40,8 +34,8 @@ pub enum TlsError {
     },
     #[error("parsing PEM: {0}")]
     Pem(String),
-    #[error("unsupported private key: {0}")]
-    Key(#[from] rustls::Error),
+    #[error("loading the serving certificate into rustls: {0}")]
+    Load(std::io::Error),
     #[error("Secret {namespace}/{name}: {source}")]
     Secret {
         namespace: String,
@@ -62,7 +56,7 @@ impl TlsError {
     pub fn category(&self) -> &'static str {
         match self {
             Self::Generate(_) => "tls_generate",
-            Self::Read { .. } | Self::Pem(_) | Self::Key(_) => "tls_load",
+            Self::Read { .. } | Self::Pem(_) | Self::Load(_) => "tls_load",
             Self::Secret { .. } | Self::SecretIncomplete { .. } => "tls_secret",
             Self::WebhookConfiguration { .. } => "tls_ca_bundle",
         }
@@ -174,47 +168,6 @@ pub fn issue(
         key_pem: key.serialize_pem(),
         not_after,
     })
-}
-
-/// A rustls certificate from PEM.
-pub fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<CertifiedKey>, TlsError> {
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
-        .collect::<Result<_, _>>()
-        .map_err(|e| TlsError::Pem(e.to_string()))?;
-    if certs.is_empty() {
-        return Err(TlsError::Pem("no certificate in PEM".into()));
-    }
-    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsError::Pem(e.to_string()))?;
-    Ok(Arc::new(CertifiedKey::new(
-        certs,
-        any_supported_type(&key)?,
-    )))
-}
-
-/// The certificate the server presents; swapped in place on rotation.
-#[derive(Debug)]
-pub struct CertStore {
-    current: RwLock<Arc<CertifiedKey>>,
-}
-
-impl CertStore {
-    pub fn new(key: Arc<CertifiedKey>) -> Arc<Self> {
-        Arc::new(Self {
-            current: RwLock::new(key),
-        })
-    }
-
-    pub fn replace(&self, key: Arc<CertifiedKey>) {
-        if let Ok(mut guard) = self.current.write() {
-            *guard = key;
-        }
-    }
-}
-
-impl ResolvesServerCert for CertStore {
-    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        self.current.read().ok().map(|k| Arc::clone(&k))
-    }
 }
 
 fn secret_data(issued: &Issued) -> BTreeMap<String, ByteString> {
@@ -425,11 +378,16 @@ mod tests {
         }
     }
 
-    #[test]
-    fn issued_certificate_loads_into_rustls() {
+    #[tokio::test]
+    async fn issued_certificate_loads_into_rustls() {
         let c = cfg();
         let issued = issue(&c.dns_names, &c.ip_addresses, c.validity, None).expect("issue");
-        certified_key(issued.cert_pem.as_bytes(), issued.key_pem.as_bytes()).expect("loads");
+        axum_server::tls_rustls::RustlsConfig::from_pem(
+            issued.cert_pem.clone().into_bytes(),
+            issued.key_pem.clone().into_bytes(),
+        )
+        .await
+        .expect("loads");
         assert!(issued.ca_pem.contains("BEGIN CERTIFICATE"));
     }
 

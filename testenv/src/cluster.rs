@@ -13,8 +13,7 @@ use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, Node, ServiceAccount};
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -177,7 +176,8 @@ impl ControlPlane {
             &logs,
         )?);
         cp.wait_for("etcd", Duration::from_secs(60), || {
-            http_ok(etcd_port, "/health")
+            let etcd = SocketAddr::from(([127, 0, 0, 1], etcd_port));
+            crate::http::blocking::get(etcd, "/health").is_ok_and(|(status, _)| status == 200)
         })?;
 
         let api_port = free_port()?;
@@ -573,20 +573,6 @@ fn node_ready(node: &Node) -> bool {
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// A plain HTTP GET on loopback that answers 200 (etcd's /health).
-fn http_ok(port: u16, path: &str) -> bool {
-    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-    if write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").is_err() {
-        return false;
-    }
-    let mut response = String::new();
-    let _ = stream.read_to_string(&mut response);
-    response.starts_with("HTTP/1.0 200") || response.starts_with("HTTP/1.1 200")
 }
 
 fn pem_to_der(pem: &str) -> Result<Vec<u8>> {

@@ -5,9 +5,13 @@
 //! - [`s3`]: an S3 server (the `s3s-fs` crate) on loopback with signatures checked.
 //! - [`runtime`]: runs the pods bound to simulated nodes as local processes, one network
 //!   namespace per node with a rate-limited NIC; [`prometheus`]: a real Prometheus scraping them.
+//! - [`http`] and [`metrics`]: the one HTTP client and the one Prometheus text reader of the
+//!   tests.
 
 pub mod certs;
 pub mod cluster;
+pub mod http;
+pub mod metrics;
 pub mod nodes;
 pub mod process;
 pub mod prometheus;

@@ -5,8 +5,7 @@
 
 use crate::process::Component;
 use anyhow::{Context, Result, bail};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -102,7 +101,7 @@ impl Prometheus {
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if http_get(addr, "/-/ready").is_ok_and(|(status, _)| status == 200) {
+            if crate::http::blocking::get(addr, "/-/ready").is_ok_and(|(status, _)| status == 200) {
                 return Ok(prometheus);
             }
             let exited = prometheus
@@ -166,9 +165,11 @@ impl Prometheus {
     }
 
     /// An instant query through `/api/v1/query`: the `data.result` array.
-    pub fn query(&self, promql: &str) -> Result<Vec<serde_json::Value>> {
-        let path = format!("/api/v1/query?query={}", url_encode(promql));
-        let (status, body) = http_get(self.addr, &path)?;
+    pub async fn query(&self, promql: &str) -> Result<Vec<serde_json::Value>> {
+        let query =
+            percent_encoding::utf8_percent_encode(promql, percent_encoding::NON_ALPHANUMERIC);
+        let path = format!("/api/v1/query?query={query}");
+        let (status, body) = crate::http::get(self.addr, &path).await?;
         let json: serde_json::Value =
             serde_json::from_str(&body).with_context(|| format!("prometheus answered: {body}"))?;
         if status != 200 || json["status"] != "success" {
@@ -198,34 +199,4 @@ impl Drop for Prometheus {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-fn url_encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-/// A plain HTTP/1.0 GET on loopback: (status, body).
-fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((status, body))
 }

@@ -11,6 +11,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::http;
+use stoker_testenv::metrics::Exposition;
 use stoker_testenv::prometheus::{Prometheus, PrometheusOptions};
 use stoker_testenv::runtime::{ImageMapping, NodeRuntime, RuntimeOptions};
 
@@ -65,26 +67,6 @@ fn runtime() -> &'static NodeRuntime {
 
 use stoker_testenv::eventually;
 
-/// A plain HTTP/1.0 GET: (status, body).
-fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    use std::io::Write;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((status, body))
-}
-
 fn pod_ip(pod: &Pod) -> Option<Ipv4Addr> {
     pod.status.as_ref()?.pod_ip.as_deref()?.parse().ok()
 }
@@ -100,24 +82,20 @@ fn netns_pids(netns: &str) -> Vec<String> {
         .collect()
 }
 
-/// A counter from node-exporter text.
-fn metric(text: &str, name: &str) -> u64 {
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.split_whitespace().last())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("{name} not in:\n{text}"))
-}
-
-fn node_counters(rt: &NodeRuntime, node: &str) -> (u64, u64) {
+/// A node's node-exporter NIC counters: (received, transmitted) bytes.
+async fn node_counters(rt: &NodeRuntime, node: &str) -> (u64, u64) {
     let url = rt.node_metrics_url(node);
-    let rest = url.strip_prefix("http://").unwrap();
-    let (addr, path) = rest.split_at(rest.find('/').unwrap());
-    let (status, body) = http_get(addr.parse().unwrap(), path).unwrap();
+    let (status, body) = http::get_url(&url).await.unwrap();
     assert_eq!(status, 200, "{url}: {body}");
+    let metrics = Exposition::parse(&body);
+    let counter = |series: &str| {
+        metrics
+            .get(series)
+            .unwrap_or_else(|| panic!("{series} not in:\n{body}")) as u64
+    };
     (
-        metric(&body, "node_network_receive_bytes_total{device=\"eth0\"}"),
-        metric(&body, "node_network_transmit_bytes_total{device=\"eth0\"}"),
+        counter("node_network_receive_bytes_total{device=\"eth0\"}"),
+        counter("node_network_transmit_bytes_total{device=\"eth0\"}"),
     )
 }
 
@@ -178,7 +156,12 @@ async fn a_pod_runs_in_its_nodes_namespace_at_its_pod_ip_until_deleted() {
     let answer = eventually(
         "the pod's server, from the root namespace",
         Duration::from_secs(60),
-        || async { http_get(addr, "/api.txt").ok().filter(|(s, _)| *s == 200) },
+        || async {
+            http::get(addr, "/api.txt")
+                .await
+                .ok()
+                .filter(|(s, _)| *s == 200)
+        },
     )
     .await;
     assert_eq!(
@@ -233,8 +216,8 @@ async fn b_a_nodes_nic_limit_holds_and_its_counters_count_the_bytes() {
         }
         (total, first.unwrap().elapsed())
     });
-    let before_from = node_counters(rt, SLOW_NODE);
-    let before_to = node_counters(rt, to);
+    let before_from = node_counters(rt, SLOW_NODE).await;
+    let before_to = node_counters(rt, to).await;
     let sender = Command::new("timeout")
         .args(["60", "ip", "netns", "exec", &rt.netns(SLOW_NODE).unwrap()])
         .args([
@@ -263,8 +246,8 @@ async fn b_a_nodes_nic_limit_holds_and_its_counters_count_the_bytes() {
         "{mbit:.1} Mbit/s is not within 30% of the {SLOW_MBIT} Mbit/s limit"
     );
 
-    let after_from = node_counters(rt, SLOW_NODE);
-    let after_to = node_counters(rt, to);
+    let after_from = node_counters(rt, SLOW_NODE).await;
+    let after_to = node_counters(rt, to).await;
     let sent = after_from.1 - before_from.1;
     let got = after_to.0 - before_to.0;
     eprintln!("node exporter: {SLOW_NODE} transmitted {sent} bytes, {to} received {got} bytes");
@@ -339,13 +322,14 @@ async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
         || async {
             prometheus
                 .query("node_network_transmit_bytes_total{job=\"node-exporter\",node=\"cpu-4\",device=\"eth0\"}")
+                .await
                 .ok()
                 .filter(|r| r.len() == 1)
         },
     )
     .await;
     let scraped: f64 = nic[0]["value"][1].as_str().unwrap().parse().unwrap();
-    let (_, now) = node_counters(rt, "cpu-4");
+    let (_, now) = node_counters(rt, "cpu-4").await;
     assert!(scraped <= now as f64, "scraped {scraped} <= current {now}");
     let nodes = rt.node_names().len().to_string();
     eventually(
@@ -354,6 +338,7 @@ async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
         || async {
             let count = prometheus
                 .query("count(node_network_speed_bytes{job=\"node-exporter\"})")
+                .await
                 .ok()?;
             (count.first()?["value"][1].as_str()? == nodes).then_some(())
         },
@@ -361,6 +346,7 @@ async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
     .await;
     let slow = prometheus
         .query(&format!("node_network_speed_bytes{{node=\"{SLOW_NODE}\"}}"))
+        .await
         .unwrap();
     assert_eq!(
         slow[0]["value"][1].as_str().unwrap(),
@@ -374,7 +360,7 @@ async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
     eventually(
         "Prometheus to scrape the loader pod",
         Duration::from_secs(60),
-        || async { prometheus.query(&query).ok().filter(|r| r.len() == 1) },
+        || async { prometheus.query(&query).await.ok().filter(|r| r.len() == 1) },
     )
     .await;
 
@@ -385,7 +371,7 @@ async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
     eventually(
         "Prometheus to scrape the trainer's loader sidecar",
         Duration::from_secs(60),
-        || async { prometheus.query(&query).ok().filter(|r| r.len() == 1) },
+        || async { prometheus.query(&query).await.ok().filter(|r| r.len() == 1) },
     )
     .await;
 
@@ -469,7 +455,7 @@ async fn d_s3_gets_from_a_pod_cross_the_nodes_nic() {
         .create(&PostParams::default(), &secret)
         .await
         .unwrap();
-    let before = node_counters(rt, node);
+    let before = node_counters(rt, node).await;
     // A SigV4-signed GET in plain Python, with credentials from the Secret (envFrom).
     let pod: Pod = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "getter"},
@@ -502,7 +488,7 @@ async fn d_s3_gets_from_a_pod_cross_the_nodes_nic() {
         },
     )
     .await;
-    let after = node_counters(rt, node);
+    let after = node_counters(rt, node).await;
     let received = after.0 - before.0;
     eprintln!(
         "{node} received {received} bytes for a {SIZE}-byte GET from S3 at {}",
@@ -664,7 +650,9 @@ async fn g_the_runtimes_own_binary_is_not_rewritten_into_a_mount() {
         "the loader serving /metrics on its pod IP",
         Duration::from_secs(30),
         || async move {
-            let (status, body) = http_get(SocketAddr::new(ip.into(), 9090), "/metrics").ok()?;
+            let (status, body) = http::get(SocketAddr::new(ip.into(), 9090), "/metrics")
+                .await
+                .ok()?;
             (status == 200 && body.contains("stoker_fake_loader_up")).then_some(())
         },
     )

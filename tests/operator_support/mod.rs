@@ -13,7 +13,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Client, CustomResourceExt};
 use stoker_operator::api::DataPipeline;
-use stoker_operator::controller::build::BuildDefaults;
+use stoker_operator::build::BuildDefaults;
 use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::{CancellationToken, Config};
 use tokio::sync::OnceCell;
@@ -191,22 +191,4 @@ pub fn skew_over_cpu_nodes(pods: &[Pod]) -> usize {
         .map(|i| counts.get(&format!("cpu-{i}")).copied().unwrap_or(0))
         .collect();
     all.iter().max().copied().unwrap_or(0) - all.iter().min().copied().unwrap_or(0)
-}
-
-/// A plain HTTP/1.0 GET on loopback: (status code, body).
-pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
-        .await
-        .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
-    let code = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
-    (code, body)
 }

@@ -50,13 +50,9 @@ impl GpuError {
     }
 }
 
-/// GPU placement setting (`--gpu-placement`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum GpuPlacement {
-    /// Pinned ring when a GPU is found, off otherwise.
-    Auto,
-    Off,
-}
+/// GPU placement setting (`--gpu-placement`): `auto` pins the ring when a GPU is found,
+/// `host` never does.
+pub use stoker_contract::GpuPlacement;
 
 /// Looks for a usable CUDA driver and device. Never panics: no driver, no device or a driver
 /// error all come back as `Unavailable` with the reason.

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use futures::future::join_all;
 use tokio::sync::Notify;
 
-use super::fleet::DecoderFleet;
+use super::fleet::{DecodeWorkerHandle, DecoderFleet};
 use super::metrics::{ReasonLabel, RouteLabel, SidecarMetrics};
 use super::plan::PlanConfig;
 use super::protocol::{BatchHeader, SampleHeader, monotonic_ns};
@@ -186,6 +186,21 @@ enum Pixels {
     InSlot,
 }
 
+/// Why a worker gave no batch back (the retry reason), and whether that counts against it.
+struct CallFailure {
+    reason: &'static str,
+    fault: bool,
+}
+
+impl CallFailure {
+    fn fault(reason: &'static str) -> Self {
+        Self {
+            reason,
+            fault: true,
+        }
+    }
+}
+
 impl Pipeline {
     pub fn batches_per_epoch(&self) -> u64 {
         self.plan.batches_per_epoch(self.samples.len()) as u64
@@ -348,82 +363,103 @@ impl Pipeline {
                 continue;
             };
             let worker = out.worker().clone();
-            let request = proto::DecodeBatchRequest {
-                batch_id,
-                bucket: self.bucket.clone(),
-                samples: refs
-                    .iter()
-                    .map(|s| proto::SampleRef {
-                        key: s.key.clone(),
-                        metadata: s.metadata.clone(),
-                        inline: Bytes::new(),
-                    })
-                    .collect(),
-                transform: Some(transform_to_proto(&self.transform)),
-            };
-            let outcome = match worker.client().await {
-                Ok(mut client) => {
-                    let call = async {
-                        let call = client.decode_batch(request);
-                        tokio::pin!(call);
-                        tokio::select! {
-                            answer = &mut call => answer,
-                            () = tokio::time::sleep(TAKEN_AFTER) => {
-                                self.busy_turns.leave(seq);
-                                call.await
-                            }
-                        }
-                    };
-                    match tokio::time::timeout(self.batch_timeout, call).await {
-                        Ok(Ok(reply)) if reply.samples.len() == refs.len() => Ok(reply),
-                        Ok(Ok(_)) => Err(("bad_reply", true)),
-                        Ok(Err(status)) => Err(match status.code() {
-                            // A full queue is not a fault: try another worker.
-                            tonic::Code::ResourceExhausted => ("busy", false),
-                            tonic::Code::Unavailable => ("unavailable", true),
-                            _ => ("error", true),
-                        }),
-                        Err(_) => Err(("timeout", true)),
-                    }
-                }
-                Err(_) => Err(("connect", true)),
-            };
+            let outcome = self.ask_worker(&worker, seq, batch_id, refs).await;
             drop(out);
-            if !matches!(outcome, Err(("busy", _))) {
+            if !matches!(outcome, Err(CallFailure { reason: "busy", .. })) {
                 self.busy_turns.leave(seq);
                 self.busy_turns.slot_freed();
             }
             match outcome {
-                Ok(mut reply) => {
-                    self.fleet.succeeded(&worker);
-                    let pixels = std::mem::take(&mut reply.pixels);
-                    self.metrics.bytes_received.inc_by(pixels.len() as u64);
-                    self.metrics
-                        .batches_decoded
-                        .get_or_create(&RouteLabel { route: "remote" })
-                        .inc();
-                    let decoded = Decoded {
-                        pixels: Pixels::Received(pixels),
-                        samples: batch_from_reply(reply).samples,
-                        route: "remote",
-                    };
-                    return (decoded, lease);
-                }
-                Err((reason, fault)) => {
-                    all_busy &= !fault;
-                    self.metrics.retry(reason);
-                    if fault && self.fleet.failed(&worker) {
-                        tracing::warn!(worker = %worker.endpoint, "worker keeps failing; set aside");
-                    }
-                    if fault {
-                        tracing::info!(worker = %worker.endpoint, batch_id, reason, "batch failed; re-sending");
-                    } else {
-                        // A full worker is routine while the fleet is short: counted, not logged.
-                        tracing::debug!(worker = %worker.endpoint, batch_id, "worker busy; asking again");
-                    }
+                Ok(reply) => return (self.received(&worker, reply), lease),
+                Err(failure) => {
+                    all_busy &= !failure.fault;
+                    self.note_failure(&worker, batch_id, failure);
                     tried.insert(worker.endpoint.clone());
                 }
             }
+        }
+    }
+
+    /// Sends one batch to `worker` and waits up to the batch timeout; a worker that has not
+    /// refused it within [`TAKEN_AFTER`] has taken it, and the next batch in line may ask.
+    async fn ask_worker(
+        &self,
+        worker: &DecodeWorkerHandle,
+        seq: u64,
+        batch_id: u64,
+        refs: &[SampleRef],
+    ) -> Result<proto::DecodeBatchReply, CallFailure> {
+        let request = proto::DecodeBatchRequest {
+            batch_id,
+            bucket: self.bucket.clone(),
+            samples: refs
+                .iter()
+                .map(|s| proto::SampleRef {
+                    key: s.key.clone(),
+                    metadata: s.metadata.clone(),
+                    inline: Bytes::new(),
+                })
+                .collect(),
+            transform: Some(transform_to_proto(&self.transform)),
+        };
+        let Ok(mut client) = worker.client().await else {
+            return Err(CallFailure::fault("connect"));
+        };
+        let call = async {
+            let call = client.decode_batch(request);
+            tokio::pin!(call);
+            tokio::select! {
+                answer = &mut call => answer,
+                () = tokio::time::sleep(TAKEN_AFTER) => {
+                    self.busy_turns.leave(seq);
+                    call.await
+                }
+            }
+        };
+        match tokio::time::timeout(self.batch_timeout, call).await {
+            Ok(Ok(reply)) if reply.samples.len() == refs.len() => Ok(reply),
+            Ok(Ok(_)) => Err(CallFailure::fault("bad_reply")),
+            Ok(Err(status)) => Err(match status.code() {
+                // A full queue is not a fault: try another worker.
+                tonic::Code::ResourceExhausted => CallFailure {
+                    reason: "busy",
+                    fault: false,
+                },
+                tonic::Code::Unavailable => CallFailure::fault("unavailable"),
+                _ => CallFailure::fault("error"),
+            }),
+            Err(_) => Err(CallFailure::fault("timeout")),
+        }
+    }
+
+    /// A worker's answer, counted; its pixels are still to be copied into the slot.
+    fn received(&self, worker: &DecodeWorkerHandle, mut reply: proto::DecodeBatchReply) -> Decoded {
+        self.fleet.succeeded(worker);
+        let pixels = std::mem::take(&mut reply.pixels);
+        self.metrics.bytes_received.inc_by(pixels.len() as u64);
+        self.metrics
+            .batches_decoded
+            .get_or_create(&RouteLabel { route: "remote" })
+            .inc();
+        Decoded {
+            pixels: Pixels::Received(pixels),
+            samples: batch_from_reply(reply).samples,
+            route: "remote",
+        }
+    }
+
+    /// Counts a call that gave no batch, and sets the worker aside when it keeps failing.
+    fn note_failure(&self, worker: &DecodeWorkerHandle, batch_id: u64, failure: CallFailure) {
+        let CallFailure { reason, fault } = failure;
+        self.metrics.retry(reason);
+        if fault && self.fleet.failed(worker) {
+            tracing::warn!(worker = %worker.endpoint, "worker keeps failing; set aside");
+        }
+        if fault {
+            tracing::info!(worker = %worker.endpoint, batch_id, reason, "batch failed; re-sending");
+        } else {
+            // A full worker is routine while the fleet is short: counted, not logged.
+            tracing::debug!(worker = %worker.endpoint, batch_id, "worker busy; asking again");
         }
     }
 

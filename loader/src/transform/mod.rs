@@ -10,6 +10,7 @@
 
 use fast_image_resize::images::{CroppedImageMut, Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
+use stoker_contract::{ResizeMode, TransformArgs};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transform {
@@ -38,12 +39,70 @@ impl Transform {
         max_pixels: 16384 * 28 * 28,
     };
 
-    pub fn name(&self) -> &'static str {
-        match self {
-            Transform::Crop { .. } => "crop",
-            Transform::Fit { .. } => "fit",
-            Transform::QwenSmart { .. } => "qwenSmart",
+    /// The transform the contract's flags name (the loader's `--resize ...` and the wire's),
+    /// checked.
+    pub fn from_args(a: &TransformArgs) -> Result<Self, TransformError> {
+        let t = match a.resize {
+            ResizeMode::Crop => Transform::Crop {
+                width: a.width,
+                height: a.height,
+            },
+            ResizeMode::Fit => Transform::Fit {
+                width: a.width,
+                height: a.height,
+                pad: a.pad,
+            },
+            ResizeMode::QwenSmart => Transform::QwenSmart {
+                factor: a.factor,
+                min_pixels: a.min_pixels,
+                max_pixels: a.max_pixels,
+            },
+        };
+        t.validate()?;
+        Ok(t)
+    }
+
+    /// The contract's flags for this transform; fields the mode does not use are zero.
+    pub fn to_args(&self) -> TransformArgs {
+        let unused = TransformArgs {
+            resize: ResizeMode::Crop,
+            width: 0,
+            height: 0,
+            pad: 0,
+            factor: 0,
+            min_pixels: 0,
+            max_pixels: 0,
+        };
+        match *self {
+            Transform::Crop { width, height } => TransformArgs {
+                width,
+                height,
+                ..unused
+            },
+            Transform::Fit { width, height, pad } => TransformArgs {
+                resize: ResizeMode::Fit,
+                width,
+                height,
+                pad,
+                ..unused
+            },
+            Transform::QwenSmart {
+                factor,
+                min_pixels,
+                max_pixels,
+            } => TransformArgs {
+                resize: ResizeMode::QwenSmart,
+                factor,
+                min_pixels,
+                max_pixels,
+                ..unused
+            },
         }
+    }
+
+    /// The mode's one spelling (`crop`, `fit`, `qwenSmart`).
+    pub fn name(&self) -> &'static str {
+        self.to_args().resize.as_str()
     }
 
     /// Rejects settings that cannot produce an image.

@@ -1,5 +1,8 @@
 //! Mapping between the engine's types and the wire types.
 
+use clap::ValueEnum;
+use stoker_contract::{ResizeMode, TransformArgs};
+
 use crate::batch::{Batch, BatchTimings, SampleMeta};
 use crate::decode::SkipReason;
 use crate::proto;
@@ -9,60 +12,31 @@ pub fn transform_from_proto(t: Option<&proto::Transform>) -> Result<Transform, T
     let t = t.ok_or_else(|| TransformError::InvalidSettings {
         detail: "missing transform".into(),
     })?;
-    let mode =
-        proto::transform::Mode::try_from(t.mode).unwrap_or(proto::transform::Mode::Unspecified);
-    let transform = match mode {
-        proto::transform::Mode::Crop => Transform::Crop {
-            width: t.width,
-            height: t.height,
-        },
-        proto::transform::Mode::Fit => Transform::Fit {
-            width: t.width,
-            height: t.height,
-            pad: u8::try_from(t.pad_value).unwrap_or(u8::MAX),
-        },
-        proto::transform::Mode::QwenSmart => Transform::QwenSmart {
-            factor: t.factor,
-            min_pixels: t.min_pixels,
-            max_pixels: t.max_pixels,
-        },
-        proto::transform::Mode::Unspecified => {
-            return Err(TransformError::InvalidSettings {
-                detail: "transform mode unspecified".into(),
-            });
-        }
-    };
-    transform.validate()?;
-    Ok(transform)
+    let resize =
+        ResizeMode::from_str(&t.resize, false).map_err(|_| TransformError::InvalidSettings {
+            detail: format!("unknown resize mode {:?}", t.resize),
+        })?;
+    Transform::from_args(&TransformArgs {
+        resize,
+        width: t.width,
+        height: t.height,
+        pad: u8::try_from(t.pad_value).unwrap_or(u8::MAX),
+        factor: t.factor,
+        min_pixels: t.min_pixels,
+        max_pixels: t.max_pixels,
+    })
 }
 
 pub fn transform_to_proto(t: &Transform) -> proto::Transform {
-    use proto::transform::Mode;
-    match *t {
-        Transform::Crop { width, height } => proto::Transform {
-            mode: Mode::Crop as i32,
-            width,
-            height,
-            ..Default::default()
-        },
-        Transform::Fit { width, height, pad } => proto::Transform {
-            mode: Mode::Fit as i32,
-            width,
-            height,
-            pad_value: pad.into(),
-            ..Default::default()
-        },
-        Transform::QwenSmart {
-            factor,
-            min_pixels,
-            max_pixels,
-        } => proto::Transform {
-            mode: Mode::QwenSmart as i32,
-            factor,
-            min_pixels,
-            max_pixels,
-            ..Default::default()
-        },
+    let args = t.to_args();
+    proto::Transform {
+        resize: t.name().to_string(),
+        width: args.width,
+        height: args.height,
+        pad_value: args.pad.into(),
+        factor: args.factor,
+        min_pixels: args.min_pixels,
+        max_pixels: args.max_pixels,
     }
 }
 

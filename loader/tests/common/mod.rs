@@ -10,6 +10,8 @@ use stoker_loader::source::{RetryPolicy, S3Config, S3Source, StaticCredentials};
 use stoker_loader::worker::{DecodeClient, DecodeServer, WorkerConfig, WorkerState};
 use stoker_testenv::s3::S3Server;
 
+pub use stoker_testenv::metrics::metric;
+
 pub const BUCKET: &str = "data";
 
 /// A smooth, asymmetric RGB test pattern: gradients plus a bright block in the top-left
@@ -180,21 +182,11 @@ pub fn request(keys: &[&str], transform: proto::Transform) -> proto::DecodeBatch
 
 pub fn crop(w: u32, h: u32) -> proto::Transform {
     proto::Transform {
-        mode: proto::transform::Mode::Crop as i32,
+        resize: "crop".into(),
         width: w,
         height: h,
         ..Default::default()
     }
-}
-
-/// Reads one value from the Prometheus text of `metrics`, by exact series name with labels.
-pub fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok()).flatten()
-        })
-        .unwrap_or(0.0)
 }
 
 /// Mean absolute difference of two equally sized buffers.
@@ -208,29 +200,10 @@ pub fn mean_abs_diff(a: &[u8], b: &[u8]) -> f64 {
     sum as f64 / a.len() as f64
 }
 
-/// A plain HTTP/1.1 GET; returns status and body.
-pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await.unwrap();
-    let text = String::from_utf8_lossy(&buf).to_string();
-    let status = text
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
-
 /// GETs the worker's /metrics.
 pub async fn metrics_text(w: &TestWorker) -> String {
-    http_get(w.http, "/metrics").await.1
+    stoker_testenv::http::get(w.http, "/metrics")
+        .await
+        .expect("GET /metrics")
+        .1
 }

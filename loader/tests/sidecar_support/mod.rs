@@ -3,15 +3,18 @@
 
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use stoker_loader::sidecar::client::TrainerClient;
 use stoker_loader::sidecar::protocol::{BatchHeader, Reply};
+use stoker_testenv::http;
 use stoker_testenv::s3::S3Server;
+
+pub use stoker_testenv::metrics::metric;
 
 pub const BUCKET: &str = "data";
 pub const BIN: &str = env!("CARGO_BIN_EXE_stoker-loader");
@@ -131,7 +134,8 @@ impl SidecarProc {
     }
 
     pub fn metric(&self, series: &str) -> f64 {
-        metric(&http(self.http, "GET", "/metrics", "").1, series)
+        let text = http::blocking::get(self.http, "/metrics").expect("GET /metrics");
+        metric(&text.1, series)
     }
 }
 
@@ -285,40 +289,6 @@ pub fn consume_epoch(
             other => panic!("unexpected reply {other:?}"),
         }
     }
-}
-
-/// A plain HTTP/1.1 request; returns status and body.
-pub fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect http");
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("write http");
-    let mut buf = String::new();
-    let _ = s.read_to_string(&mut buf);
-    let status = buf
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = buf
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
-
-/// One value from Prometheus text by exact series name (with labels).
-pub fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok()).flatten()
-        })
-        .unwrap_or(0.0)
 }
 
 /// VmRSS of a process in KiB.

@@ -669,29 +669,14 @@ impl Readiness {
         let path = self.path.clone();
         tokio::spawn(async move {
             let result =
-                tokio::time::timeout(Duration::from_secs(1), http_status(addr, &path)).await;
+                tokio::time::timeout(Duration::from_secs(1), crate::http::get(addr, &path)).await;
             ok.store(
-                matches!(result, Ok(Ok(status)) if (200..400).contains(&status)),
+                matches!(result, Ok(Ok((status, _))) if (200..400).contains(&status)),
                 Ordering::SeqCst,
             );
             in_flight.store(false, Ordering::SeqCst);
         });
     }
-}
-
-async fn http_status(addr: std::net::SocketAddr, path: &str) -> std::io::Result<u16> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await?;
-    let mut head = [0u8; 64];
-    let n = stream.read(&mut head).await?;
-    let line = String::from_utf8_lossy(&head[..n]);
-    line.split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| std::io::Error::other("no HTTP status"))
 }
 
 fn write_volume(

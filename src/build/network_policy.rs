@@ -9,17 +9,15 @@ use k8s_openapi::api::networking::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
+use stoker_contract::{DECODER_GRPC_PORT, DECODER_METRICS_PORT};
 
-use super::{
-    DECODER_GRPC_PORT, DECODER_METRICS_PORT, child_meta, decoder_selector_labels,
-    network_policy_name,
-};
+use super::{child_meta, decoder_selector_labels, network_policy_name};
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_TRAINER};
 
 pub fn network_policy(dp: &DataPipeline) -> NetworkPolicy {
     let name = dp.name_any();
-    let port = |p: i32| NetworkPolicyPort {
-        port: Some(IntOrString::Int(p)),
+    let port = |p: u16| NetworkPolicyPort {
+        port: Some(IntOrString::Int(i32::from(p))),
         protocol: Some("TCP".to_string()),
         ..NetworkPolicyPort::default()
     };

@@ -1,50 +1,57 @@
-//! Pure builders: one per child object of a `DataPipeline`. Each takes the pipeline (and the
-//! operator's defaults) and returns the object to apply; none touches the network.
+//! Pure builders: one per object stoker makes for a `DataPipeline` — the decoder pod, the
+//! trainer's sidecar container, the decoders' Service and NetworkPolicy, the sidecar's RBAC —
+//! and the loader command lines they run. The controller and the webhook both use them; none
+//! touches the network.
 
-pub mod config_map;
 pub mod decoder_pod;
 pub mod loader_args;
 pub mod network_policy;
 pub mod service;
+pub mod sidecar;
 pub mod sidecar_rbac;
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::api::core::v1::{
+    Capabilities, ResourceRequirements, SeccompProfile, SecurityContext,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
 
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
 
-/// gRPC port of a decoder.
-pub const DECODER_GRPC_PORT: i32 = 50051;
-/// Metrics and readiness port of a decoder.
-pub const DECODER_METRICS_PORT: i32 = 9090;
-/// Where the pipeline's ConfigMap is mounted in decoders and sidecars.
-pub const CONFIG_DIR: &str = "/etc/stoker";
-/// File in the ConfigMap that the loader reads.
-pub const CONFIG_FILE: &str = "pipeline.json";
-
 /// Operator-wide inputs to the builders.
 #[derive(Clone, Debug)]
 pub struct BuildDefaults {
-    /// The stoker-loader image used for decoders and sidecars unless the pipeline names one.
+    /// The stoker-loader image of decoders and sidecars unless the pipeline names one.
     pub loader_image: String,
+    /// The injected sidecar's resources before its shared-memory ring is added to memory;
+    /// `None` sets none.
+    pub sidecar_resources: Option<ResourceRequirements>,
 }
 
 impl Default for BuildDefaults {
     fn default() -> Self {
         Self {
             loader_image: "ghcr.io/stoker-dev/stoker-loader:0.1.0".into(),
+            sidecar_resources: None,
         }
+    }
+}
+
+impl BuildDefaults {
+    /// The loader image of `dp`'s decoders and sidecars.
+    pub fn loader_image(&self, dp: &DataPipeline) -> String {
+        dp.spec
+            .decoders
+            .image
+            .clone()
+            .unwrap_or_else(|| self.loader_image.clone())
     }
 }
 
 pub fn decoder_service_name(dp: &DataPipeline) -> String {
     format!("{}-decoders", dp.name_any())
-}
-
-pub fn config_map_name(pipeline: &str) -> String {
-    format!("{pipeline}-config")
 }
 
 pub fn network_policy_name(dp: &DataPipeline) -> String {
@@ -61,14 +68,6 @@ pub fn decoder_selector_labels(pipeline: &str) -> BTreeMap<String, String> {
         (LABEL_PIPELINE.to_string(), pipeline.to_string()),
         (LABEL_ROLE.to_string(), ROLE_DECODER.to_string()),
     ])
-}
-
-/// The label selector sidecars use to discover serving decoders.
-pub fn decoder_discovery_selector(pipeline: &str) -> String {
-    format!(
-        "{LABEL_PIPELINE}={pipeline},{LABEL_ROLE}={ROLE_DECODER},{}=false",
-        crate::api::LABEL_DRAINING
-    )
 }
 
 /// Labels on every object the operator creates for a pipeline.
@@ -105,6 +104,28 @@ pub fn owner_reference(dp: &DataPipeline) -> Option<OwnerReference> {
     })
 }
 
+/// The restricted container security context (Pod Security Standard "restricted").
+pub fn restricted_security_context() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".to_string()]),
+            ..Capabilities::default()
+        }),
+        seccomp_profile: Some(runtime_default_seccomp()),
+        ..SecurityContext::default()
+    }
+}
+
+pub fn runtime_default_seccomp() -> SeccompProfile {
+    SeccompProfile {
+        type_: "RuntimeDefault".to_string(),
+        ..SeccompProfile::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,19 +133,17 @@ mod tests {
     use k8s_openapi::api::core::v1::Pod;
 
     fn dp() -> DataPipeline {
-        serde_yaml::from_str(include_str!(
-            "../../../tests/fixtures/datapipeline-crop.yaml"
-        ))
-        .expect("fixture")
+        serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
+            .expect("fixture")
     }
 
     #[test]
     fn decoder_pod_carries_the_pipeline_settings() {
         let dp = dp();
-        let pod: Pod = decoder_pod::decoder_pod(&dp, "abcde", &BuildDefaults::default());
+        let pod: Pod = decoder_pod::decoder_pod(&dp, &BuildDefaults::default()).expect("builds");
         assert_eq!(
-            pod.metadata.name.as_deref(),
-            Some("qwen3vl-pretrain-decoder-abcde")
+            pod.metadata.generate_name.as_deref(),
+            Some("qwen3vl-pretrain-decoder-")
         );
         let labels = pod.metadata.labels.clone().expect("labels");
         assert_eq!(labels[LABEL_ROLE], ROLE_DECODER);
@@ -186,11 +205,11 @@ mod tests {
 
     #[test]
     fn template_hash_changes_with_the_spec_only() {
-        let a = decoder_pod::decoder_pod(&dp(), "aaaaa", &BuildDefaults::default());
-        let b = decoder_pod::decoder_pod(&dp(), "bbbbb", &BuildDefaults::default());
+        let a = decoder_pod::decoder_pod(&dp(), &BuildDefaults::default()).expect("builds");
+        let b = decoder_pod::decoder_pod(&dp(), &BuildDefaults::default()).expect("builds");
         let mut changed = dp();
         changed.spec.decoders.image = Some("registry.local/loader:2".into());
-        let c = decoder_pod::decoder_pod(&changed, "ccccc", &BuildDefaults::default());
+        let c = decoder_pod::decoder_pod(&changed, &BuildDefaults::default()).expect("builds");
         let hash = |p: &Pod| {
             p.metadata.labels.as_ref().expect("labels")[crate::api::LABEL_TEMPLATE_HASH].clone()
         };
@@ -223,19 +242,6 @@ mod tests {
         assert_eq!(from[LABEL_PIPELINE], "qwen3vl-pretrain");
         assert_eq!(from[LABEL_ROLE], crate::api::ROLE_TRAINER);
         assert_eq!(spec.policy_types, Some(vec!["Ingress".to_string()]));
-    }
-
-    #[test]
-    fn config_map_holds_the_loader_contract() {
-        let cm = config_map::config_map(&dp()).expect("builds");
-        let json = &cm.data.expect("data")[CONFIG_FILE];
-        let cfg: config_map::LoaderConfig = serde_json::from_str(json).expect("parses");
-        assert_eq!(cfg.batch.size, 32);
-        assert_eq!(cfg.source.s3.bucket, "laion-subset");
-        assert_eq!(
-            cfg.decoder_selector,
-            "stoker.dev/pipeline=qwen3vl-pretrain,stoker.dev/role=decoder,stoker.dev/draining=false"
-        );
     }
 
     #[test]

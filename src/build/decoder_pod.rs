@@ -4,9 +4,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvFromSource, EnvVar, HTTPGetAction, Pod, PodSecurityContext, PodSpec, Probe,
-    ResourceRequirements, SeccompProfile, SecretEnvSource, SecurityContext,
+    Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, EnvVar, HTTPGetAction, Pod,
+    PodSecurityContext, PodSpec, Probe, ResourceRequirements, SecretEnvSource,
     TopologySpreadConstraint, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -16,32 +15,15 @@ use kube::ResourceExt;
 use sha2::{Digest, Sha256};
 
 use super::{
-    BuildDefaults, CONFIG_DIR, DECODER_GRPC_PORT, DECODER_METRICS_PORT, child_meta,
-    config_map_name, decoder_selector_labels,
+    BuildDefaults, child_meta, decoder_selector_labels, restricted_security_context,
+    runtime_default_seccomp,
 };
 use crate::api::{DataPipeline, LABEL_DRAINING, LABEL_ROLE, LABEL_TEMPLATE_HASH, ROLE_DECODER};
+use stoker_contract::{DECODER_GRPC_PORT, DECODER_METRICS_PORT, RenderError};
 
 pub const DECODER_CONTAINER: &str = "decoder";
 const HOSTNAME_KEY: &str = "kubernetes.io/hostname";
 const ZONE_KEY: &str = "topology.kubernetes.io/zone";
-
-/// The restricted container security context (Pod Security Standard "restricted").
-pub fn restricted_security_context() -> SecurityContext {
-    SecurityContext {
-        allow_privilege_escalation: Some(false),
-        read_only_root_filesystem: Some(true),
-        run_as_non_root: Some(true),
-        capabilities: Some(Capabilities {
-            drop: Some(vec!["ALL".to_string()]),
-            ..Capabilities::default()
-        }),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".to_string(),
-            ..SeccompProfile::default()
-        }),
-        ..SecurityContext::default()
-    }
-}
 
 fn default_resources() -> ResourceRequirements {
     ResourceRequirements {
@@ -84,7 +66,10 @@ fn spread_constraint(pipeline: &str, key: &str, max_skew: i32) -> TopologySpread
 }
 
 /// The pod spec every decoder of the pipeline shares (names and hash excluded).
-pub fn decoder_pod_spec(dp: &DataPipeline, defaults: &BuildDefaults) -> PodSpec {
+pub fn decoder_pod_spec(
+    dp: &DataPipeline,
+    defaults: &BuildDefaults,
+) -> Result<PodSpec, RenderError> {
     let name = dp.name_any();
     let d = &dp.spec.decoders;
     let mut spread = vec![spread_constraint(&name, HOSTNAME_KEY, d.spread.max_skew)];
@@ -93,14 +78,10 @@ pub fn decoder_pod_spec(dp: &DataPipeline, defaults: &BuildDefaults) -> PodSpec 
     }
     let container = Container {
         name: DECODER_CONTAINER.to_string(),
-        image: Some(
-            d.image
-                .clone()
-                .unwrap_or_else(|| defaults.loader_image.clone()),
-        ),
-        args: Some(super::loader_args::decoder_args(dp)),
+        image: Some(defaults.loader_image(dp)),
+        args: Some(super::loader_args::decoder_args(dp)?),
         env: Some(vec![EnvVar {
-            name: "STOKER_PIPELINE".to_string(),
+            name: stoker_contract::env::PIPELINE.to_string(),
             value: Some(name.clone()),
             ..EnvVar::default()
         }]),
@@ -108,13 +89,13 @@ pub fn decoder_pod_spec(dp: &DataPipeline, defaults: &BuildDefaults) -> PodSpec 
         ports: Some(vec![
             ContainerPort {
                 name: Some("grpc".to_string()),
-                container_port: DECODER_GRPC_PORT,
+                container_port: i32::from(DECODER_GRPC_PORT),
                 protocol: Some("TCP".to_string()),
                 ..ContainerPort::default()
             },
             ContainerPort {
                 name: Some("metrics".to_string()),
-                container_port: DECODER_METRICS_PORT,
+                container_port: i32::from(DECODER_METRICS_PORT),
                 protocol: Some("TCP".to_string()),
                 ..ContainerPort::default()
             },
@@ -131,22 +112,14 @@ pub fn decoder_pod_spec(dp: &DataPipeline, defaults: &BuildDefaults) -> PodSpec 
         }),
         resources: Some(d.resources.clone().unwrap_or_else(default_resources)),
         security_context: Some(restricted_security_context()),
-        volume_mounts: Some(vec![
-            VolumeMount {
-                name: "config".to_string(),
-                mount_path: CONFIG_DIR.to_string(),
-                read_only: Some(true),
-                ..VolumeMount::default()
-            },
-            VolumeMount {
-                name: "tmp".to_string(),
-                mount_path: "/tmp".to_string(),
-                ..VolumeMount::default()
-            },
-        ]),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "tmp".to_string(),
+            mount_path: "/tmp".to_string(),
+            ..VolumeMount::default()
+        }]),
         ..Container::default()
     };
-    PodSpec {
+    Ok(PodSpec {
         containers: vec![container],
         node_selector: (!d.node_selector.is_empty()).then(|| d.node_selector.clone()),
         tolerations: (!d.tolerations.is_empty()).then(|| d.tolerations.clone()),
@@ -159,29 +132,16 @@ pub fn decoder_pod_spec(dp: &DataPipeline, defaults: &BuildDefaults) -> PodSpec 
             run_as_non_root: Some(true),
             run_as_user: Some(65532),
             run_as_group: Some(65532),
-            seccomp_profile: Some(SeccompProfile {
-                type_: "RuntimeDefault".to_string(),
-                ..SeccompProfile::default()
-            }),
+            seccomp_profile: Some(runtime_default_seccomp()),
             ..PodSecurityContext::default()
         }),
-        volumes: Some(vec![
-            Volume {
-                name: "config".to_string(),
-                config_map: Some(ConfigMapVolumeSource {
-                    name: config_map_name(&name),
-                    ..ConfigMapVolumeSource::default()
-                }),
-                ..Volume::default()
-            },
-            Volume {
-                name: "tmp".to_string(),
-                empty_dir: Some(EmptyDirVolumeSource::default()),
-                ..Volume::default()
-            },
-        ]),
+        volumes: Some(vec![Volume {
+            name: "tmp".to_string(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Volume::default()
+        }]),
         ..PodSpec::default()
-    }
+    })
 }
 
 /// Short hash of the shared pod spec: tells which decoders were built from an older spec.
@@ -191,10 +151,12 @@ pub fn template_hash(spec: &PodSpec) -> String {
     digest[..5].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A decoder pod named `<pipeline>-decoder-<suffix>`.
-pub fn decoder_pod(dp: &DataPipeline, suffix: &str, defaults: &BuildDefaults) -> Pod {
-    let spec = decoder_pod_spec(dp, defaults);
-    let mut meta = child_meta(dp, format!("{}-decoder-{suffix}", dp.name_any()));
+/// A decoder pod; the API server names it `<pipeline>-decoder-<random suffix>`.
+pub fn decoder_pod(dp: &DataPipeline, defaults: &BuildDefaults) -> Result<Pod, RenderError> {
+    let spec = decoder_pod_spec(dp, defaults)?;
+    let mut meta = child_meta(dp, String::new());
+    meta.name = None;
+    meta.generate_name = Some(format!("{}-decoder-", dp.name_any()));
     let labels = meta.labels.get_or_insert_with(BTreeMap::new);
     labels.insert(LABEL_ROLE.to_string(), ROLE_DECODER.to_string());
     labels.insert(LABEL_DRAINING.to_string(), "false".to_string());
@@ -203,9 +165,9 @@ pub fn decoder_pod(dp: &DataPipeline, suffix: &str, defaults: &BuildDefaults) ->
         "app.kubernetes.io/name".to_string(),
         "stoker-decoder".to_string(),
     );
-    Pod {
+    Ok(Pod {
         metadata: meta,
         spec: Some(spec),
         status: None,
-    }
+    })
 }

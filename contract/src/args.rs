@@ -1,0 +1,230 @@
+//! The command lines of `stoker-loader decode` and `stoker-loader sidecar`. Each field's serde
+//! name is its clap id, which is how [`crate::LoaderCommand`] renders a struct back into flags.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::{DECODER_GRPC_PORT, DECODER_METRICS_PORT, SIDECAR_HEALTH_PORT};
+
+fn any_addr(port: u16) -> SocketAddr {
+    SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))
+}
+
+/// How a sample becomes the trainer's pixels. One spelling everywhere: the CRD's
+/// `transform.resize.mode`, the loader's `--resize`, and the Python client.
+#[derive(
+    clap::ValueEnum, JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq,
+)]
+#[serde(rename_all = "camelCase")]
+#[value(rename_all = "camelCase")]
+pub enum ResizeMode {
+    /// Scale the short side to fit, then center-crop to width × height.
+    Crop,
+    /// Scale to fit inside width × height, padding the rest.
+    Fit,
+    /// Qwen2/3-VL "smart resize": keep the aspect ratio, round to patchFactor, clamp pixels.
+    QwenSmart,
+}
+
+impl ResizeMode {
+    /// The mode's one spelling, as serde and clap write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Crop => "crop",
+            Self::Fit => "fit",
+            Self::QwenSmart => "qwenSmart",
+        }
+    }
+}
+
+/// Where the sidecar puts batches for the trainer.
+#[derive(
+    clap::ValueEnum, JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
+)]
+#[serde(rename_all = "camelCase")]
+#[value(rename_all = "camelCase")]
+pub enum GpuPlacement {
+    /// A page-locked (pinned) ring when the sidecar sees a GPU, so that the trainer's copies
+    /// to the device run at full PCIe speed; plain shared memory otherwise.
+    #[default]
+    Auto,
+    /// Always plain shared memory; the trainer copies.
+    Host,
+}
+
+/// Where objects live. Credentials come from the standard AWS chain (environment variables,
+/// profile, web identity, instance metadata), never from flags, and are never logged.
+#[derive(clap::Args, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct S3Args {
+    /// S3-compatible endpoint, e.g. http://minio.storage:9000.
+    #[arg(long, env = "STOKER_S3_ENDPOINT")]
+    pub endpoint: Option<String>,
+    #[arg(long, env = "STOKER_S3_REGION")]
+    pub region: Option<String>,
+    /// Path-style addressing (most S3-compatible stores need it).
+    #[arg(long, env = "STOKER_S3_FORCE_PATH_STYLE")]
+    pub force_path_style: bool,
+    /// S3 GETs in flight at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_concurrent_gets: usize,
+    /// Attempts per request before a sample is skipped as s3_error.
+    #[arg(long, default_value_t = 10)]
+    pub max_attempts: u32,
+}
+
+/// The transform: resize mode and its sizes.
+#[derive(clap::Args, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct TransformArgs {
+    #[arg(long, value_enum, default_value_t = ResizeMode::Crop)]
+    pub resize: ResizeMode,
+    #[arg(long, default_value_t = 448)]
+    pub width: u32,
+    #[arg(long, default_value_t = 448)]
+    pub height: u32,
+    /// Padding gray level for `fit`.
+    #[arg(long, default_value_t = 0)]
+    pub pad: u8,
+    /// qwenSmart: sides are multiples of this (patch size x merge size).
+    #[arg(long, default_value_t = 28)]
+    pub factor: u32,
+    #[arg(long, default_value_t = 4 * 28 * 28)]
+    pub min_pixels: u64,
+    #[arg(long, default_value_t = 16384 * 28 * 28)]
+    pub max_pixels: u64,
+}
+
+/// `stoker-loader decode`: the gRPC decode worker. Stateless; every request carries its
+/// samples and transform.
+#[derive(clap::Args, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct DecodeArgs {
+    #[arg(long, default_value_t = any_addr(DECODER_GRPC_PORT))]
+    pub grpc_addr: SocketAddr,
+    #[arg(long, default_value_t = any_addr(DECODER_METRICS_PORT))]
+    pub http_addr: SocketAddr,
+    /// Decode threads; 0 = one per core.
+    #[arg(long, env = "STOKER_DECODE_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Batches admitted at once; further requests get RESOURCE_EXHAUSTED. 0 = 2 x threads + 2.
+    #[arg(long, default_value_t = 0)]
+    pub queue_depth: usize,
+    /// Largest width x height read from a header before a sample is skipped as too_large.
+    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    pub max_source_pixels: u64,
+    /// Seconds to wait for in-flight batches after SIGTERM.
+    #[arg(long, default_value_t = 60)]
+    pub drain_timeout_secs: u64,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub s3: S3Args,
+}
+
+/// `stoker-loader sidecar`: next to the trainer, epoch order, prefetch across the decode
+/// workers, shared-memory hand-off.
+#[derive(clap::Args, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct SidecarArgs {
+    #[arg(long, env = "STOKER_BUCKET")]
+    pub bucket: String,
+    #[arg(long, env = "STOKER_PREFIX", default_value = "")]
+    pub prefix: String,
+    /// JSONL manifest (s3://bucket/key or a local path) instead of listing the prefix.
+    #[arg(long, env = "STOKER_MANIFEST")]
+    pub manifest: Option<String>,
+    #[arg(long, env = "STOKER_BATCH_SIZE", default_value_t = 32)]
+    pub batch_size: usize,
+    #[arg(long, env = "STOKER_SHUFFLE_SEED", default_value_t = 42)]
+    pub seed: u64,
+    /// Keep the dataset order (evaluation).
+    #[arg(long)]
+    pub no_shuffle: bool,
+    #[arg(long, env = "STOKER_DROP_LAST")]
+    pub drop_last: bool,
+    /// This trainer's rank; torchrun's RANK.
+    #[arg(long, env = "RANK", default_value_t = 0)]
+    pub rank: u32,
+    #[arg(long, env = "WORLD_SIZE", default_value_t = 1)]
+    pub world_size: u32,
+    /// Local rank of the first trainer served; names its socket (stoker-<local rank>.sock).
+    #[arg(long, env = "LOCAL_RANK", default_value_t = 0)]
+    pub local_rank: u32,
+    /// Trainer processes in the pod served by this sidecar (torchrun's nproc_per_node): ranks
+    /// `rank .. rank + local_ranks`, one ring and one socket each. torchrun's LOCAL_WORLD_SIZE.
+    #[arg(long, env = "STOKER_LOCAL_RANKS", default_value_t = 1)]
+    pub local_ranks: u32,
+    /// Resume: first epoch to deliver.
+    #[arg(long, env = "STOKER_START_EPOCH", default_value_t = 0)]
+    pub start_epoch: u64,
+    /// Resume: first batch of the first epoch.
+    #[arg(long, env = "STOKER_START_BATCH", default_value_t = 0)]
+    pub start_batch: u64,
+    /// Epochs to deliver (counted from 0); 0 = no end.
+    #[arg(long, default_value_t = 0)]
+    pub epochs: u64,
+    /// Batches decoded ahead of the trainer: the ring holds this many plus `held_batches`.
+    #[arg(long, env = "STOKER_PREFETCH_BATCHES", default_value_t = 8)]
+    pub prefetch_batches: usize,
+    /// Batches the trainer may hold at once.
+    #[arg(long, default_value_t = 2)]
+    pub held_batches: usize,
+    /// Slot size; default: the batch at the transform's fixed output size (needed for qwenSmart).
+    #[arg(long)]
+    pub slot_bytes: Option<usize>,
+    /// Memory-backed directory for the ring.
+    #[arg(long, env = crate::env::SHM_DIR, default_value = "/dev/shm")]
+    pub shm_dir: PathBuf,
+    /// Unix socket (one local rank only); default: <shm-dir>/stoker-<local rank>.sock.
+    #[arg(long, env = crate::env::SOCKET)]
+    pub socket: Option<PathBuf>,
+    /// /metrics, /healthz, /readyz, GET /local-share.
+    #[arg(long, default_value_t = any_addr(SIDECAR_HEALTH_PORT))]
+    pub http_addr: SocketAddr,
+    /// Decode workers, comma separated host:port.
+    #[arg(long, value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// A DNS name resolving to the decode workers (headless Service), re-resolved periodically.
+    #[arg(long, env = "STOKER_WORKERS_DNS")]
+    pub workers_dns: Option<String>,
+    /// Decode pods from the Kubernetes API: label selector (with --workers-namespace).
+    #[arg(long, env = "STOKER_WORKERS_SELECTOR")]
+    pub workers_selector: Option<String>,
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub workers_namespace: String,
+    #[arg(long, default_value_t = DECODER_GRPC_PORT)]
+    pub workers_port: u16,
+    #[arg(long, default_value_t = 10)]
+    pub discovery_interval_secs: u64,
+    /// A batch not answered within this is re-sent to another worker.
+    #[arg(long, default_value_t = 30.0)]
+    pub batch_timeout_secs: f64,
+    /// Consecutive failures before a worker is set aside, and for how long.
+    #[arg(long, default_value_t = 3)]
+    pub max_worker_failures: u32,
+    #[arg(long, default_value_t = 10)]
+    pub set_aside_secs: u64,
+    /// Threads of the in-sidecar decoder; 0 = one per core.
+    #[arg(long, env = "STOKER_LOCAL_DECODERS", default_value_t = 0)]
+    pub local_decoders: usize,
+    /// Share of batches decoded in the sidecar (0..=1) at start. With --pod-name, the operator
+    /// changes it through the pod's `stoker.dev/local-share` annotation.
+    #[arg(long, env = "STOKER_LOCAL_SHARE", default_value_t = 0.0)]
+    pub local_share: f64,
+    /// This sidecar's pod (in --workers-namespace), whose local-share annotation it follows.
+    #[arg(long, env = crate::env::POD_NAME)]
+    pub pod_name: Option<String>,
+    /// Never decode locally, even when no worker is reachable.
+    #[arg(long)]
+    pub no_local_fallback: bool,
+    #[arg(long, value_enum, default_value_t = GpuPlacement::Auto)]
+    pub gpu_placement: GpuPlacement,
+    /// Largest width x height read from a header before a sample is skipped as too_large.
+    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    pub max_source_pixels: u64,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub transform: TransformArgs,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub s3: S3Args,
+}

@@ -1,0 +1,66 @@
+//! The one contract between `stoker-operator` and `stoker-loader`: the labels and annotations
+//! both read, the ports and paths both assume, and the loader's command lines as typed structs.
+//! The operator builds [`DecodeArgs`] and [`SidecarArgs`] and renders them with
+//! [`LoaderCommand::command_line`]; the loader parses the very same structs with clap. A
+//! round-trip test (`tests/round_trip.rs`) holds the two ends together.
+
+mod args;
+mod render;
+
+pub use args::{DecodeArgs, GpuPlacement, ResizeMode, S3Args, SidecarArgs, TransformArgs};
+pub use render::{LoaderCommand, RenderError};
+
+/// API group of stoker's resources.
+pub const GROUP: &str = "stoker.dev";
+/// Names the pipeline an object belongs to; on a trainer pod it is the opt-in.
+pub const LABEL_PIPELINE: &str = "stoker.dev/pipeline";
+/// `decoder` or `trainer`.
+pub const LABEL_ROLE: &str = "stoker.dev/role";
+/// `true` once a decoder is out of discovery and waiting to be deleted.
+pub const LABEL_DRAINING: &str = "stoker.dev/draining";
+/// Hash of the inputs a decoder pod was built from.
+pub const LABEL_TEMPLATE_HASH: &str = "stoker.dev/template-hash";
+/// When a decoder's drain began (RFC 3339).
+pub const ANNOTATION_DRAIN_STARTED: &str = "stoker.dev/drain-started";
+/// Set by the webhook on the trainer pods it mutated.
+pub const ANNOTATION_INJECTED: &str = "stoker.dev/injected";
+/// A trainer pod's rank, when the training framework sets it as a label or annotation.
+pub const ANNOTATION_RANK: &str = "stoker.dev/rank";
+/// The world size a trainer pod declares.
+pub const ANNOTATION_WORLD_SIZE: &str = "stoker.dev/world-size";
+/// On a trainer pod: the share of batches (0..=1) its sidecar decodes itself, set by the
+/// autoscaler when the trainer node's NIC is the bottleneck; the sidecar watches its own pod.
+pub const ANNOTATION_LOCAL_SHARE: &str = "stoker.dev/local-share";
+pub const ROLE_DECODER: &str = "decoder";
+pub const ROLE_TRAINER: &str = "trainer";
+
+/// gRPC port of a decoder.
+pub const DECODER_GRPC_PORT: u16 = 50051;
+/// Metrics and readiness port of a decoder.
+pub const DECODER_METRICS_PORT: u16 = 9090;
+/// The sidecar's metrics and readiness port; `/readyz` passes once its sockets listen.
+pub const SIDECAR_HEALTH_PORT: u16 = 9091;
+
+/// Where the shared-memory ring lives, in the sidecar and in every trainer container.
+pub const SHM_DIR: &str = "/dev/shm/stoker";
+/// The unix socket the trainer's `stoker` client connects to.
+pub const SOCKET_PATH: &str = "/dev/shm/stoker/stoker.sock";
+
+/// Environment the webhook gives the sidecar and the trainer containers.
+pub mod env {
+    /// The trainer client's socket (trainer containers and sidecar).
+    pub const SOCKET: &str = "STOKER_SOCKET";
+    /// The ring's directory (trainer containers and sidecar).
+    pub const SHM_DIR: &str = "STOKER_SHM_DIR";
+    /// The pipeline's name (trainer containers and decoders).
+    pub const PIPELINE: &str = "STOKER_PIPELINE";
+    /// The sidecar's own pod, whose local-share annotation it follows.
+    pub const POD_NAME: &str = "STOKER_POD_NAME";
+    /// The node the sidecar runs on.
+    pub const NODE_NAME: &str = "STOKER_NODE_NAME";
+}
+
+/// The label selector sidecars use to discover a pipeline's serving decoders.
+pub fn decoder_discovery_selector(pipeline: &str) -> String {
+    format!("{LABEL_PIPELINE}={pipeline},{LABEL_ROLE}={ROLE_DECODER},{LABEL_DRAINING}=false")
+}

@@ -1,0 +1,140 @@
+//! Every argument rendered for the loader parses back to the same values.
+
+use std::path::PathBuf;
+
+use stoker_contract::{
+    DecodeArgs, GpuPlacement, LoaderCommand, ResizeMode, S3Args, SidecarArgs, TransformArgs,
+};
+
+fn s3() -> S3Args {
+    S3Args {
+        endpoint: Some("http://minio.storage:9000".into()),
+        region: Some("eu-west-1".into()),
+        force_path_style: true,
+        max_concurrent_gets: 17,
+        max_attempts: 3,
+    }
+}
+
+/// Every field away from its default, so that a field the renderer drops shows up.
+fn sidecar() -> SidecarArgs {
+    SidecarArgs {
+        bucket: "laion".into(),
+        prefix: "images/".into(),
+        manifest: Some("s3://laion/train.jsonl".into()),
+        batch_size: 7,
+        seed: 9,
+        no_shuffle: true,
+        drop_last: true,
+        rank: 3,
+        world_size: 8,
+        local_rank: 2,
+        local_ranks: 4,
+        start_epoch: 5,
+        start_batch: 6,
+        epochs: 11,
+        prefetch_batches: 12,
+        held_batches: 3,
+        slot_bytes: Some(1 << 20),
+        shm_dir: PathBuf::from("/dev/shm/x"),
+        socket: Some(PathBuf::from("/dev/shm/x/s.sock")),
+        http_addr: "127.0.0.1:9999".parse().unwrap(),
+        workers: vec!["a:1".into(), "b:2".into()],
+        workers_dns: Some("decoders.training".into()),
+        workers_selector: Some("stoker.dev/pipeline=p".into()),
+        workers_namespace: "training".into(),
+        workers_port: 5000,
+        discovery_interval_secs: 4,
+        batch_timeout_secs: 2.5,
+        max_worker_failures: 5,
+        set_aside_secs: 7,
+        local_decoders: 2,
+        local_share: 0.25,
+        pod_name: Some("trainer-0".into()),
+        no_local_fallback: true,
+        gpu_placement: GpuPlacement::Host,
+        max_source_pixels: 1000,
+        transform: TransformArgs {
+            resize: ResizeMode::QwenSmart,
+            width: 224,
+            height: 336,
+            pad: 5,
+            factor: 32,
+            min_pixels: 100,
+            max_pixels: 200_000,
+        },
+        s3: s3(),
+    }
+}
+
+fn parse_back<T: LoaderCommand>(args: &T) -> T {
+    let line = args.command_line().expect("renders");
+    assert_eq!(line[0], T::SUBCOMMAND);
+    T::parse_flags(&line[1..]).unwrap_or_else(|e| panic!("{line:?} does not parse: {e}"))
+}
+
+#[test]
+fn sidecar_arguments_parse_back_to_the_same_values() {
+    assert_eq!(parse_back(&sidecar()), sidecar());
+}
+
+#[test]
+fn decode_arguments_parse_back_to_the_same_values() {
+    let args = DecodeArgs {
+        grpc_addr: "127.0.0.1:1".parse().unwrap(),
+        http_addr: "127.0.0.1:2".parse().unwrap(),
+        threads: 3,
+        queue_depth: 4,
+        max_source_pixels: 5,
+        drain_timeout_secs: 6,
+        s3: s3(),
+    };
+    assert_eq!(parse_back(&args), args);
+}
+
+#[test]
+fn defaults_that_the_environment_may_set_are_left_to_it() {
+    let mut args = SidecarArgs::parse_flags(["--bucket", "b"]).expect("defaults");
+    args.workers_namespace = "training".into();
+    let line = args.command_line().expect("renders").join(" ");
+    // RANK, WORLD_SIZE, STOKER_LOCAL_SHARE, ... decide in the pod.
+    for absent in [
+        "--rank",
+        "--world-size",
+        "--local-rank",
+        "--local-share",
+        "--prefix",
+    ] {
+        assert!(!line.contains(&format!("{absent} ")), "{absent} in {line}");
+    }
+    assert!(line.starts_with("sidecar --bucket b "), "{line}");
+    assert!(line.contains("--workers-namespace training"), "{line}");
+    assert!(line.contains("--resize crop"), "{line}");
+    assert!(line.contains("--gpu-placement auto"), "{line}");
+    // A value the environment could set is still sent when it is not the default.
+    args.rank = 1;
+    assert!(
+        args.command_line()
+            .expect("renders")
+            .join(" ")
+            .contains("--rank 1")
+    );
+}
+
+#[test]
+fn one_spelling_per_mode() {
+    let mut args = sidecar();
+    args.transform.resize = ResizeMode::QwenSmart;
+    let line = args.command_line().expect("renders").join(" ");
+    assert!(line.contains("--resize qwenSmart"), "{line}");
+    assert_eq!(
+        serde_json::to_value(ResizeMode::QwenSmart).unwrap(),
+        "qwenSmart"
+    );
+    assert_eq!(serde_json::to_value(GpuPlacement::Host).unwrap(), "host");
+    for mode in <ResizeMode as clap::ValueEnum>::value_variants() {
+        let clap_name = clap::ValueEnum::to_possible_value(mode).expect("visible");
+        assert_eq!(clap_name.get_name(), mode.as_str());
+        assert_eq!(serde_json::to_value(mode).unwrap(), mode.as_str());
+    }
+}

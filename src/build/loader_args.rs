@@ -1,0 +1,138 @@
+//! The command lines of `stoker-loader`'s decode workers and sidecars, built as the typed
+//! structs the loader parses ([`stoker_contract`]), so that `kubectl describe pod` shows every
+//! setting and the two ends cannot drift.
+
+use std::net::{Ipv4Addr, SocketAddr};
+
+use kube::ResourceExt;
+use stoker_contract::{
+    DECODER_GRPC_PORT, DecodeArgs, LoaderCommand, RenderError, S3Args, SHM_DIR,
+    SIDECAR_HEALTH_PORT, SOCKET_PATH, SidecarArgs, TransformArgs, decoder_discovery_selector,
+};
+
+use crate::api::DataPipeline;
+
+/// S3 access shared by both roles; credentials come from the Secret through the environment.
+fn s3_args(dp: &DataPipeline, defaults: S3Args) -> S3Args {
+    let s3 = &dp.spec.source.s3;
+    S3Args {
+        endpoint: s3.endpoint.clone(),
+        region: s3.region.clone(),
+        force_path_style: s3.force_path_style,
+        ..defaults
+    }
+}
+
+/// A CRD integer (the API server bounds it) as the loader's type, else the loader's default.
+fn or_default<T: TryFrom<i64>>(value: Option<i64>, default: T) -> T {
+    value.and_then(|v| T::try_from(v).ok()).unwrap_or(default)
+}
+
+fn transform_args(dp: &DataPipeline, defaults: TransformArgs) -> TransformArgs {
+    let resize = &dp.spec.transform.resize;
+    TransformArgs {
+        resize: resize.mode,
+        width: or_default(resize.width, defaults.width),
+        height: or_default(resize.height, defaults.height),
+        factor: or_default(resize.patch_factor, defaults.factor),
+        min_pixels: or_default(resize.min_pixels, defaults.min_pixels),
+        max_pixels: or_default(resize.max_pixels, defaults.max_pixels),
+        ..defaults
+    }
+}
+
+/// `stoker-loader decode` for `dp`'s decoders.
+pub fn decode(dp: &DataPipeline) -> Result<DecodeArgs, clap::Error> {
+    let defaults = DecodeArgs::parse_flags(std::iter::empty::<String>())?;
+    Ok(DecodeArgs {
+        grpc_addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, DECODER_GRPC_PORT)),
+        s3: s3_args(dp, defaults.s3.clone()),
+        ..defaults
+    })
+}
+
+/// `stoker-loader sidecar` for `dp`'s trainers: the epoch plan, the transform it asks
+/// decoders for, where to find them (through the Kubernetes API), and the hand-off.
+pub fn sidecar(dp: &DataPipeline) -> Result<SidecarArgs, clap::Error> {
+    let spec = &dp.spec;
+    let defaults = SidecarArgs::parse_flags(["--bucket", spec.source.s3.bucket.as_str()])?;
+    Ok(SidecarArgs {
+        prefix: spec.source.s3.prefix.clone().unwrap_or_default(),
+        manifest: spec.source.manifest.clone(),
+        batch_size: or_default(Some(spec.batch.size), defaults.batch_size),
+        seed: or_default(spec.batch.shuffle_seed, defaults.seed),
+        no_shuffle: spec.batch.shuffle_seed.is_none(),
+        drop_last: spec.batch.drop_last,
+        prefetch_batches: or_default(
+            Some(spec.trainer.prefetch_batches),
+            defaults.prefetch_batches,
+        ),
+        socket: Some(SOCKET_PATH.into()),
+        shm_dir: SHM_DIR.into(),
+        http_addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, SIDECAR_HEALTH_PORT)),
+        workers_selector: Some(decoder_discovery_selector(&dp.name_any())),
+        workers_namespace: dp.namespace().unwrap_or_default(),
+        workers_port: DECODER_GRPC_PORT,
+        gpu_placement: spec.trainer.gpu_placement,
+        transform: transform_args(dp, defaults.transform.clone()),
+        s3: s3_args(dp, defaults.s3.clone()),
+        ..defaults
+    })
+}
+
+/// The decoder container's args.
+pub fn decoder_args(dp: &DataPipeline) -> Result<Vec<String>, RenderError> {
+    decode(dp).map_err(RenderError::Parse)?.command_line()
+}
+
+/// The sidecar container's args.
+pub fn sidecar_args(dp: &DataPipeline) -> Result<Vec<String>, RenderError> {
+    sidecar(dp).map_err(RenderError::Parse)?.command_line()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stoker_contract::{GpuPlacement, ResizeMode};
+
+    fn dp(fixture: &str) -> DataPipeline {
+        serde_yaml::from_str(fixture).expect("fixture")
+    }
+
+    /// What the operator writes into a pod parses in the loader to what the operator meant.
+    #[test]
+    fn every_argument_parses_back_in_the_loader() {
+        for fixture in [
+            include_str!("../../tests/fixtures/datapipeline-crop.yaml"),
+            include_str!("../../tests/fixtures/datapipeline-qwen.yaml"),
+        ] {
+            let dp = dp(fixture);
+            let sidecar = sidecar(&dp).expect("builds");
+            let line = sidecar.command_line().expect("renders");
+            assert_eq!(
+                SidecarArgs::parse_flags(&line[1..]).expect("parses"),
+                sidecar
+            );
+            let decode = decode(&dp).expect("builds");
+            let line = decode.command_line().expect("renders");
+            assert_eq!(DecodeArgs::parse_flags(&line[1..]).expect("parses"), decode);
+        }
+    }
+
+    #[test]
+    fn the_sidecar_asks_for_what_the_spec_says() {
+        let dp = dp(include_str!("../../tests/fixtures/datapipeline-qwen.yaml"));
+        let args = sidecar(&dp).expect("builds");
+        let spec = &dp.spec;
+        assert_eq!(args.bucket, spec.source.s3.bucket);
+        assert_eq!(Ok(args.batch_size), usize::try_from(spec.batch.size));
+        assert_eq!(args.transform.resize, ResizeMode::QwenSmart);
+        assert_eq!(args.transform.max_pixels, 1_003_520);
+        assert_eq!(args.transform.factor, 28);
+        assert_eq!(args.gpu_placement, spec.trainer.gpu_placement);
+        let mut host = dp.clone();
+        host.spec.trainer.gpu_placement = GpuPlacement::Host;
+        let line = sidecar_args(&host).expect("renders").join(" ");
+        assert!(line.contains("--gpu-placement host"), "{line}");
+    }
+}

@@ -1,0 +1,269 @@
+//! Everything a pipeline should have, as typed values: pure. [`desired`] takes the pipeline,
+//! what was observed and what the autoscaler decided, and returns every child; the apply step
+//! takes the whole [`Desired`] apart, so a child added here does not compile until it is
+//! applied.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::jiff::Timestamp;
+use stoker_contract::RenderError;
+
+use super::fleet;
+use crate::api::DataPipeline;
+use crate::autoscale::ScaleDecision;
+use crate::build::{BuildDefaults, decoder_pod, network_policy, service, sidecar_rbac};
+
+/// The pipeline's pods, as the controller's caches (and its own recent writes) show them.
+#[derive(Clone, Debug, Default)]
+pub struct Observed {
+    pub decoders: Vec<Pod>,
+    pub trainers: Vec<Pod>,
+}
+
+/// What the decide step concluded for this reconcile.
+#[derive(Clone, Debug, Default)]
+pub struct Scale {
+    /// The autoscaler's decision, when one was due.
+    pub decision: Option<ScaleDecision>,
+    /// `status.decoders.desired` while an autoscaler runs: it stands between decisions.
+    pub in_effect: Option<u32>,
+    /// Nodes new decoders keep off (their NIC is past the limit).
+    pub avoid_nodes: Vec<String>,
+}
+
+/// Every child of a pipeline.
+#[derive(Clone, Debug)]
+pub struct Desired {
+    pub service: Service,
+    pub network_policy: NetworkPolicy,
+    pub sidecar_role: Role,
+    pub sidecar_role_binding: RoleBinding,
+    pub decoders: DecoderChanges,
+}
+
+/// The fleet's size and this reconcile's changes to its pods.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DecoderChanges {
+    /// Decoders the pipeline should run.
+    pub replicas: u32,
+    /// Why that many, for `status.lastScale`.
+    pub reason: String,
+    /// New decoder pods (the API server names them).
+    pub create: Vec<Pod>,
+    /// Serving decoders to take out of discovery.
+    pub drain: Vec<String>,
+    /// Pods to delete: drained long enough, or failed.
+    pub delete: Vec<String>,
+    /// Of `delete`, the failed ones (they are replaced).
+    pub failed: usize,
+    /// When to look again for a drain that is still running.
+    pub requeue_after: Option<Duration>,
+}
+
+impl DecoderChanges {
+    pub fn any(&self) -> bool {
+        !self.create.is_empty() || !self.drain.is_empty() || !self.delete.is_empty()
+    }
+}
+
+/// Every child `dp` should have now.
+pub fn desired(
+    dp: &DataPipeline,
+    observed: &Observed,
+    scale: &Scale,
+    defaults: &BuildDefaults,
+    now: Timestamp,
+) -> Result<Desired, RenderError> {
+    Ok(Desired {
+        service: service::decoder_service(dp),
+        network_policy: network_policy::network_policy(dp),
+        sidecar_role: sidecar_rbac::sidecar_role(dp),
+        sidecar_role_binding: sidecar_rbac::sidecar_role_binding(dp),
+        decoders: decoder_changes(dp, observed, scale, defaults, now)?,
+    })
+}
+
+/// The decoder count, and the pods to create, drain and delete to reach it. Decoders whose
+/// node's NIC is past the limit drain and are replaced elsewhere.
+fn decoder_changes(
+    dp: &DataPipeline,
+    observed: &Observed,
+    scale: &Scale,
+    defaults: &BuildDefaults,
+    now: Timestamp,
+) -> Result<DecoderChanges, RenderError> {
+    let count = crate::autoscale::decoder_count(&dp.spec, scale.decision.as_ref(), scale.in_effect);
+    let template = decoder_pod::decoder_pod(dp, defaults)?;
+    let hash = template
+        .spec
+        .as_ref()
+        .map(decoder_pod::template_hash)
+        .unwrap_or_default();
+    let drain_seconds = u32::try_from(dp.spec.decoders.drain_seconds).unwrap_or(0);
+    let mut plan = fleet::plan(
+        &observed.decoders,
+        count.replicas as usize,
+        &hash,
+        drain_seconds,
+        now,
+    );
+    for pod in scale.decision.iter().flat_map(|d| &d.move_pods) {
+        if !plan.drain.contains(pod) && !plan.delete.contains(pod) {
+            plan.drain.push(pod.clone());
+            plan.create += 1;
+        }
+    }
+    let mut new_pod = template;
+    crate::autoscale::keep_off(&mut new_pod, &scale.avoid_nodes);
+    Ok(DecoderChanges {
+        replicas: count.replicas,
+        reason: count.reason,
+        create: vec![new_pod; plan.create],
+        drain: plan.drain,
+        delete: plan.delete,
+        failed: plan.failed,
+        requeue_after: plan.requeue_after,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{LABEL_DRAINING, LABEL_TEMPLATE_HASH};
+
+    fn dp(fixture: &str) -> DataPipeline {
+        serde_yaml::from_str(fixture).expect("fixture")
+    }
+
+    fn crop() -> DataPipeline {
+        dp(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
+    }
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).expect("valid")
+    }
+
+    /// A serving decoder of `dp` built from its current spec, on `node`.
+    fn serving(dp: &DataPipeline, name: &str, node: &str) -> Pod {
+        let mut pod = decoder_pod::decoder_pod(dp, &BuildDefaults::default()).expect("builds");
+        pod.metadata.name = Some(name.into());
+        pod.spec.as_mut().expect("spec").node_name = Some(node.into());
+        pod.status = serde_json::from_value(serde_json::json!({
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        }))
+        .expect("status");
+        pod
+    }
+
+    #[test]
+    fn a_new_pipeline_gets_min_replicas_decoders_and_every_child() {
+        let dp = crop();
+        let d = desired(
+            &dp,
+            &Observed::default(),
+            &Scale::default(),
+            &BuildDefaults::default(),
+            t(0),
+        )
+        .expect("builds");
+        assert_eq!(d.decoders.replicas, 4, "{}", d.decoders.reason);
+        assert_eq!(d.decoders.create.len(), 4);
+        let labels = d.decoders.create[0]
+            .metadata
+            .labels
+            .clone()
+            .expect("labels");
+        assert_eq!(labels[LABEL_DRAINING], "false");
+        assert!(labels.contains_key(LABEL_TEMPLATE_HASH));
+        assert_eq!(
+            d.service.metadata.name.as_deref(),
+            Some("qwen3vl-pretrain-decoders")
+        );
+        assert_eq!(
+            d.network_policy.metadata.name.as_deref(),
+            Some("qwen3vl-pretrain-decoders")
+        );
+        assert_eq!(
+            d.sidecar_role_binding.role_ref.name,
+            d.sidecar_role.metadata.name.clone().expect("name")
+        );
+    }
+
+    #[test]
+    fn a_fixed_pipeline_scales_to_its_replicas() {
+        let dp = dp(include_str!("../../tests/fixtures/datapipeline-qwen.yaml"));
+        let observed = Observed {
+            decoders: (0..5)
+                .map(|i| serving(&dp, &format!("d{i}"), &format!("n{i}")))
+                .collect(),
+            trainers: vec![],
+        };
+        let d = desired(
+            &dp,
+            &observed,
+            &Scale::default(),
+            &BuildDefaults::default(),
+            t(0),
+        )
+        .expect("builds");
+        assert_eq!(d.decoders.replicas, 3);
+        assert!(d.decoders.create.is_empty());
+        assert_eq!(d.decoders.drain.len(), 2);
+    }
+
+    #[test]
+    fn the_autoscalers_decision_moves_and_places_decoders() {
+        let dp = crop();
+        let observed = Observed {
+            decoders: (0..4)
+                .map(|i| serving(&dp, &format!("d{i}"), &format!("n{i}")))
+                .collect(),
+            trainers: vec![],
+        };
+        // A decision without signals keeps the size; the test adds the move.
+        let policy = crate::autoscale::AutoscalingPolicy::from_spec(&dp.spec);
+        let fleet = crate::autoscale::DecoderFleet {
+            replicas: 4,
+            ..crate::autoscale::DecoderFleet::default()
+        };
+        let mut decision =
+            crate::autoscale::Autoscaler::default().step("training/p", &policy, &fleet, None, t(0));
+        decision.move_pods = vec!["d1".into()];
+        let scale = Scale {
+            decision: Some(decision),
+            in_effect: Some(4),
+            avoid_nodes: vec!["n1".into()],
+        };
+        let d = desired(&dp, &observed, &scale, &BuildDefaults::default(), t(0)).expect("builds");
+        assert_eq!(d.decoders.drain, vec!["d1".to_string()]);
+        assert_eq!(d.decoders.create.len(), 1, "the moved decoder is replaced");
+        let affinity = serde_json::to_value(&d.decoders.create[0].spec).expect("json");
+        assert!(
+            affinity.to_string().contains(r#""values":["n1"]"#),
+            "{affinity}"
+        );
+    }
+
+    #[test]
+    fn between_decisions_the_count_in_effect_stands() {
+        let dp = crop();
+        let scale = Scale {
+            in_effect: Some(9),
+            ..Scale::default()
+        };
+        let d = desired(
+            &dp,
+            &Observed::default(),
+            &scale,
+            &BuildDefaults::default(),
+            t(0),
+        )
+        .expect("builds");
+        assert_eq!(d.decoders.replicas, 9);
+        assert_eq!(d.decoders.create.len(), 9);
+    }
+}
