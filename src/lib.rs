@@ -89,9 +89,15 @@ pub async fn start(
     };
     let webhook_addr = match config.webhook.clone() {
         Some(w) => Some(
-            webhook::serve(client.clone(), w, metrics.clone(), shutdown.clone())
-                .await?
-                .local_addr,
+            webhook::serve(
+                client.clone(),
+                w,
+                config.defaults.clone(),
+                metrics.clone(),
+                shutdown.clone(),
+            )
+            .await?
+            .local_addr,
         ),
         None => None,
     };

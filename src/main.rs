@@ -6,10 +6,10 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use stoker_operator::autoscale::{AutoscalerSettings, AutoscalingPolicy};
 use stoker_operator::build::BuildDefaults;
 use stoker_operator::leader::LeaseConfig;
 use stoker_operator::webhook::WebhookConfig;
-use stoker_operator::webhook::inject::InjectConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
 use stoker_operator::{CancellationToken, Config, api, telemetry};
 
@@ -95,10 +95,10 @@ struct RunArgs {
     #[arg(long, env = "STOKER_PROMETHEUS_URL")]
     prometheus_url: Option<String>,
     /// How often each pipeline's signals are read and decided on.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = AutoscalerSettings::default().period.as_secs())]
     autoscale_period_seconds: u64,
     /// The window every rate is taken over (at least 4 scrape intervals).
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = AutoscalingPolicy::default().window.as_secs())]
     autoscale_window_seconds: u64,
 }
 
@@ -142,28 +142,22 @@ async fn main() -> anyhow::Result<()> {
             .then(|| LeaseConfig::new(&args.namespace, &args.lease_name, &args.identity)),
         defaults: BuildDefaults {
             loader_image: args.loader_image.clone(),
-            sidecar_resources: None,
+            sidecar_resources: Some(sidecar_resources(&args.sidecar_cpu, &args.sidecar_memory)),
         },
         webhook: (!args.no_webhook).then(|| WebhookConfig {
             listen: args.webhook_listen,
             tls,
             refresh_interval: Duration::from_secs(600),
-            inject: InjectConfig {
-                loader_image: args.loader_image.clone(),
-                sidecar_resources: Some(sidecar_resources(&args.sidecar_cpu, &args.sidecar_memory)),
-            },
         }),
         metrics_listen: Some(args.metrics_listen),
-        autoscaler: args.prometheus_url.clone().map(|url| {
-            stoker_operator::autoscale::AutoscalerSettings {
-                prometheus_url: Some(url),
-                period: Duration::from_secs(args.autoscale_period_seconds),
-                defaults: stoker_operator::autoscale::AutoscalingPolicy {
-                    window: Duration::from_secs(args.autoscale_window_seconds),
-                    ..Default::default()
-                },
+        autoscaler: args.prometheus_url.clone().map(|url| AutoscalerSettings {
+            prometheus_url: Some(url),
+            period: Duration::from_secs(args.autoscale_period_seconds),
+            defaults: AutoscalingPolicy {
+                window: Duration::from_secs(args.autoscale_window_seconds),
                 ..Default::default()
-            }
+            },
+            ..Default::default()
         }),
     };
     let shutdown = CancellationToken::new();

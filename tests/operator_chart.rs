@@ -132,10 +132,6 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
                 renew_before: Duration::from_secs(30 * 86_400),
             }),
             refresh_interval: Duration::from_secs(60),
-            inject: BuildDefaults {
-                loader_image: LOADER_IMAGE.into(),
-                sidecar_resources: None,
-            },
         }),
         metrics_listen: Some("127.0.0.1:0".parse().expect("addr")),
         autoscaler: None,

@@ -347,11 +347,6 @@ async fn snapshot(client: &kube::Client, ns: &str, name: &str) -> Vec<(String, S
         .await
         .expect("dp");
     out.push(rv(&dp.metadata));
-    let cm = Api::<ConfigMap>::namespaced(client.clone(), ns)
-        .get(&format!("{name}-config"))
-        .await
-        .expect("cm");
-    out.push(rv(&cm.metadata));
     let svc = Api::<Service>::namespaced(client.clone(), ns)
         .get(&format!("{name}-decoders"))
         .await

@@ -12,7 +12,6 @@ use kube::{Client, ResourceExt};
 use operator_support::*;
 use serde_json::json;
 use stoker_operator::api::DataPipeline;
-use stoker_operator::build::BuildDefaults;
 use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
 use stoker_testenv::cluster::ControlPlane;
@@ -55,16 +54,6 @@ async fn start_with_webhook(client: &Client, ns: &str, mwc: &str) -> Operator {
         listen: "127.0.0.1:0".parse().expect("addr"),
         tls: TlsSource::SelfManaged(self_managed(ns, mwc)),
         refresh_interval: Duration::from_secs(60),
-        inject: BuildDefaults {
-            loader_image: LOADER_IMAGE.into(),
-            sidecar_resources: Some(
-                serde_json::from_value(json!({
-                    "requests": {"cpu": "100m", "memory": "128Mi"},
-                    "limits": {"cpu": "100m", "memory": "128Mi"}
-                }))
-                .expect("resources"),
-            ),
-        },
     };
     Operator::start(client.clone(), ns, Some(webhook)).await
 }

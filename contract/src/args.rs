@@ -13,8 +13,9 @@ fn any_addr(port: u16) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))
 }
 
-/// How a sample becomes the trainer's pixels. One spelling everywhere: the CRD's
-/// `transform.resize.mode`, the loader's `--resize`, and the Python client.
+// One spelling everywhere: the CRD's `transform.resize.mode`, the loader's `--resize`, the
+// decode request's `resize`, the Python client.
+/// How an image is brought to the model's input size.
 #[derive(
     clap::ValueEnum, JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq,
 )]

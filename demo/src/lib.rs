@@ -513,10 +513,6 @@ async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<Cancellati
             renew_before: Duration::from_secs(3_600),
         }),
         refresh_interval: Duration::from_secs(60),
-        inject: BuildDefaults {
-            loader_image: LOADER_IMAGE.into(),
-            sidecar_resources: None,
-        },
     };
     let config = Config {
         watch_namespace: Some(NAMESPACE.into()),

@@ -9,19 +9,15 @@ use stoker_loader::proto;
 use stoker_loader::source::S3Source;
 use stoker_loader::worker::{DecodeClient, transform_to_proto};
 
-use stoker_contract::{S3Args, TransformArgs};
-
-use crate::{s3_config, transform};
+use crate::{DatasetArgs, s3_config, transform};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Decode worker, e.g. http://127.0.0.1:50051.
     #[arg(long)]
     worker: String,
-    #[arg(long)]
-    bucket: String,
-    #[arg(long, default_value = "")]
-    prefix: String,
+    #[command(flatten)]
+    dataset: DatasetArgs,
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
     /// Batches in flight at once.
@@ -34,23 +30,20 @@ pub struct BenchArgs {
     warmup: usize,
     #[arg(long)]
     json: bool,
-    #[command(flatten)]
-    transform: TransformArgs,
-    #[command(flatten)]
-    s3: S3Args,
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let data = &args.dataset;
     let metrics = std::sync::Arc::new(stoker_loader::metrics::LoaderMetrics::new());
-    let source = S3Source::connect(&s3_config(&args.s3), metrics).await;
-    let keys = source.list(&args.bucket, &args.prefix, 1000).await?;
+    let source = S3Source::connect(&s3_config(&data.s3), metrics).await;
+    let keys = source.list(&data.bucket, &data.prefix, 1000).await?;
     anyhow::ensure!(
         !keys.is_empty(),
         "no objects under s3://{}/{}",
-        args.bucket,
-        args.prefix
+        data.bucket,
+        data.prefix
     );
-    let transform = transform_to_proto(&transform(&args.transform)?);
+    let transform = transform_to_proto(&transform(&data.transform)?);
     let client = DecodeClient::connect(args.worker.clone()).await?;
     let mut batches = Vec::new();
     for _ in 0..args.epochs.max(1) {
@@ -61,7 +54,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let warmup = args.warmup.min(batches.len().saturating_sub(1));
     let run_batches = |list: Vec<Vec<stoker_loader::source::SampleRef>>| {
         let client = client.clone();
-        let bucket = args.bucket.clone();
+        let bucket = data.bucket.clone();
         let transform = transform.clone();
         futures::stream::iter(list.into_iter().enumerate())
             .map(move |(i, samples)| {

@@ -50,12 +50,23 @@ fn transform(args: &TransformArgs) -> anyhow::Result<Transform> {
     Ok(Transform::from_args(args)?)
 }
 
+/// A dataset in S3 and the transform to run on it (`profile`, `bench`).
+#[derive(Args, Debug)]
+pub struct DatasetArgs {
+    #[arg(long)]
+    pub bucket: String,
+    #[arg(long, default_value = "")]
+    pub prefix: String,
+    #[command(flatten)]
+    pub transform: TransformArgs,
+    #[command(flatten)]
+    pub s3: S3Args,
+}
+
 #[derive(Args, Debug)]
 struct ProfileArgs {
-    #[arg(long)]
-    bucket: String,
-    #[arg(long, default_value = "")]
-    prefix: String,
+    #[command(flatten)]
+    dataset: DatasetArgs,
     /// JSONL manifest, s3://bucket/key or a local path, instead of listing.
     #[arg(long)]
     manifest: Option<String>,
@@ -73,10 +84,6 @@ struct ProfileArgs {
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
-    #[command(flatten)]
-    transform: TransformArgs,
-    #[command(flatten)]
-    s3: S3Args,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -153,13 +160,19 @@ async fn sidecar(args: Box<SidecarArgs>) -> anyhow::Result<()> {
 
 async fn profile(args: ProfileArgs) -> anyhow::Result<()> {
     let metrics = std::sync::Arc::new(stoker_loader::metrics::LoaderMetrics::new());
-    let source = S3Source::connect(&s3_config(&args.s3), metrics).await;
+    let DatasetArgs {
+        bucket,
+        prefix,
+        transform: transform_args,
+        s3,
+    } = args.dataset;
+    let source = S3Source::connect(&s3_config(&s3), metrics).await;
     let cfg = ProfileConfig {
-        bucket: args.bucket,
-        prefix: args.prefix,
+        bucket,
+        prefix,
         manifest: args.manifest,
         sample: args.sample,
-        transform: transform(&args.transform)?,
+        transform: transform(&transform_args)?,
         target_rate: args.target_rate,
         concurrency: args.concurrency,
         seed: args.seed,

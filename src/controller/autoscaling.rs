@@ -21,8 +21,6 @@ use crate::autoscale::{
     Autoscaler, AutoscalerSettings, DecoderFleet, ScaleDecision, Signals, pipeline_key,
 };
 
-pub use crate::autoscale::keep_off;
-
 /// The autoscaler the controller shares across reconciles.
 pub struct AutoscalerHandle {
     settings: AutoscalerSettings,

@@ -53,13 +53,13 @@ pub struct WebhookConfig {
     pub tls: TlsSource,
     /// How often the certificate is re-read (files) or checked for renewal (self-managed).
     pub refresh_interval: Duration,
-    pub inject: BuildDefaults,
 }
 
 #[derive(Clone)]
 struct Handler {
     client: Client,
-    inject: BuildDefaults,
+    /// What the injected sidecar is built from: the operator's own [`crate::Config::defaults`].
+    defaults: BuildDefaults,
     metrics: Arc<Metrics>,
 }
 
@@ -83,7 +83,7 @@ impl Handler {
             .unwrap_or_default();
         let api: Api<DataPipeline> = Api::namespaced(self.client.clone(), &namespace);
         match api.get_opt(&pipeline).await {
-            Ok(Some(dp)) => match injection_patch(pod, &dp, &self.inject) {
+            Ok(Some(dp)) => match injection_patch(pod, &dp, &self.defaults) {
                 Ok(patch) if patch.0.is_empty() => allow,
                 Ok(patch) => match allow.clone().with_patch(patch) {
                     Ok(r) => {
@@ -164,6 +164,7 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 pub async fn serve(
     client: Client,
     config: WebhookConfig,
+    defaults: BuildDefaults,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> Result<WebhookServer, WebhookError> {
@@ -186,7 +187,7 @@ pub async fn serve(
         .route("/healthz", get(|| async { "ok" }))
         .with_state(Handler {
             client: client.clone(),
-            inject: config.inject.clone(),
+            defaults,
             metrics,
         });
 

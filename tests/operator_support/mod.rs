@@ -79,6 +79,14 @@ impl Operator {
             lease: None,
             defaults: BuildDefaults {
                 loader_image: LOADER_IMAGE.to_string(),
+                // What injected sidecars get (the webhook test checks them).
+                sidecar_resources: Some(
+                    serde_json::from_value(serde_json::json!({
+                        "requests": {"cpu": "100m", "memory": "128Mi"},
+                        "limits": {"cpu": "100m", "memory": "128Mi"}
+                    }))
+                    .expect("resources"),
+                ),
             },
             webhook,
             metrics_listen: None,

@@ -179,16 +179,10 @@ pub(super) fn ring_layout(args: &SidecarArgs, transform: &Transform) -> RingLayo
     }
 }
 
-/// Bytes of one batch at a fixed output size; qwenSmart sizes vary, so it assumes one
-/// megapixel per image unless --slot-bytes says otherwise (larger samples become skips).
+/// Bytes of one batch of RGB8 samples at the transform's slot size (larger samples become
+/// skips unless --slot-bytes says otherwise).
 fn default_slot_bytes(transform: &Transform, batch_size: usize) -> usize {
-    let per_sample = match *transform {
-        Transform::Crop { width, height } | Transform::Fit { width, height, .. } => {
-            width as usize * height as usize * 3
-        }
-        Transform::QwenSmart { .. } => 1024 * 1024 * 3,
-    };
-    per_sample * batch_size
+    usize::try_from(transform.slot_pixels() * 3).unwrap_or(usize::MAX) * batch_size
 }
 
 /// Creates the memory-backed directory that holds the rings and the default sockets.

@@ -158,6 +158,17 @@ impl Transform {
         }
     }
 
+    /// Pixels a sample's slot holds: the output size where it is fixed; qwenSmart sizes vary,
+    /// so one megapixel per sample.
+    pub fn slot_pixels(&self) -> u64 {
+        match *self {
+            Transform::Crop { width, height } | Transform::Fit { width, height, .. } => {
+                u64::from(width) * u64::from(height)
+            }
+            Transform::QwenSmart { .. } => 1024 * 1024,
+        }
+    }
+
     /// The smallest decoded size that still feeds the output at full resolution: lets the JPEG
     /// decoder scale in the DCT domain down to it.
     pub fn min_source_size(&self, w: u32, h: u32) -> Result<(u32, u32), TransformError> {

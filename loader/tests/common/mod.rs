@@ -10,6 +10,7 @@ use stoker_loader::source::{RetryPolicy, S3Config, S3Source, StaticCredentials};
 use stoker_loader::worker::{DecodeClient, DecodeServer, WorkerConfig, WorkerState};
 use stoker_testenv::s3::S3Server;
 
+#[allow(unused_imports)] // not every test binary reads metrics
 pub use stoker_testenv::metrics::metric;
 
 pub const BUCKET: &str = "data";

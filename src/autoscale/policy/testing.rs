@@ -207,27 +207,20 @@ pub(super) fn check(cases: Vec<Case>) {
             at(0),
         );
         let name = case.name;
-        assert_eq!(d.replicas, case.replicas, "{name}: {}", d.reason);
-        assert_eq!(
-            d.conditions.starved, case.starved,
-            "{name}: starved; {}",
-            d.reason
-        );
+        let why = format!("{name}: {}", d.reason);
+        assert_eq!(d.replicas, case.replicas, "{why}");
+        assert_eq!(d.conditions.starved, case.starved, "{why}: starved");
         assert_eq!(
             d.conditions.network_saturated, case.network_saturated,
-            "{name}"
+            "{why}"
         );
-        assert_eq!(
-            d.conditions.s3_throttled, case.s3_throttled,
-            "{name}: {}",
-            d.reason
-        );
+        assert_eq!(d.conditions.s3_throttled, case.s3_throttled, "{why}");
         assert_eq!(
             d.conditions.metrics_unavailable, case.metrics_unavailable,
-            "{name}"
+            "{why}"
         );
-        assert_eq!(d.avoid_nodes, case.avoid, "{name}");
-        assert_eq!(d.move_pods, case.moved, "{name}");
+        assert_eq!(d.avoid_nodes, case.avoid, "{why}");
+        assert_eq!(d.move_pods, case.moved, "{why}");
         assert!(
             d.reason.contains(case.reason),
             "{name}: reason {:?}",
