@@ -167,7 +167,7 @@ pub struct SidecarArgs {
     #[arg(long, env = "STOKER_PREFETCH_BATCHES", default_value_t = 8)]
     pub prefetch_batches: usize,
     /// Batches the trainer may hold at once.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = crate::HELD_BATCHES as usize)]
     pub held_batches: usize,
     /// Slot size; default: the batch at the transform's fixed output size (needed for qwenSmart).
     #[arg(long)]

@@ -46,6 +46,21 @@ pub const SHM_DIR: &str = "/dev/shm/stoker";
 /// The unix socket the trainer's `stoker` client connects to.
 pub const SOCKET_PATH: &str = "/dev/shm/stoker/stoker.sock";
 
+/// Batches a trainer may hold while the sidecar fills others: a ring has
+/// `prefetchBatches + HELD_BATCHES` slots.
+pub const HELD_BATCHES: u64 = 2;
+
+/// Bytes of one slot: a batch of RGB8 samples of at most `sample_pixels` each.
+pub fn slot_bytes(batch_size: u64, sample_pixels: u64) -> u64 {
+    batch_size.saturating_mul(sample_pixels).saturating_mul(3)
+}
+
+/// Bytes of one rank's ring. The CRD's shared-memory rule (`src/api/v1alpha1.rs`) says the
+/// same in CEL, and the sidecar refuses to start when its rings do not fit.
+pub fn ring_bytes(prefetch_batches: u64, batch_size: u64, sample_pixels: u64) -> u64 {
+    (prefetch_batches + HELD_BATCHES).saturating_mul(slot_bytes(batch_size, sample_pixels))
+}
+
 /// Environment the webhook gives the sidecar and the trainer containers.
 pub mod env {
     /// The trainer client's socket (trainer containers and sidecar).

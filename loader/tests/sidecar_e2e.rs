@@ -555,3 +555,17 @@ fn one_sidecar_serves_several_local_ranks_with_their_own_rings() {
         "{text}"
     );
 }
+
+/// A ring larger than the shared memory is refused at start with the sizes, never a SIGBUS
+/// mid-epoch when a write reaches past a full tmpfs.
+#[test]
+fn a_ring_that_cannot_fit_is_refused_at_start() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path().join("s3")).unwrap();
+    dataset(&server, 8, 96, 64);
+    // 10 slots of 1 TB: no shm dir holds that.
+    let said = sidecar_refusal(&server, dir.path(), &["--slot-bytes", "1000000000000"]);
+    assert!(said.contains("the rings need"), "{said}");
+    assert!(said.contains("trainer.sharedMemory"), "{said}");
+}

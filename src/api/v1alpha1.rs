@@ -69,8 +69,9 @@ use serde::{Deserialize, Serialize};
         "self.autoscaling.mode != 'fixed' || (has(self.autoscaling.replicas) && self.autoscaling.replicas >= self.decoders.minReplicas && self.autoscaling.replicas <= self.decoders.maxReplicas)"
     ).message("autoscaling.replicas is required when autoscaling.mode is fixed and must lie between decoders.minReplicas and decoders.maxReplicas").field_path(".autoscaling.replicas"),
     validation = kube::core::Rule::new(
-        "!isQuantity(self.trainer.sharedMemory) || quantity(self.trainer.sharedMemory).asApproximateFloat() >= double(self.trainer.prefetchBatches * self.batch.size * 3) * double(self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0))"
-    ).message("trainer.sharedMemory is too small: it must hold trainer.prefetchBatches × batch.size × (width × height, or maxPixels) × 3 bytes").field_path(".trainer.sharedMemory")
+        // stoker_contract::ring_bytes, with HELD_BATCHES = 2 (the tests hold the two together).
+        "!isQuantity(self.trainer.sharedMemory) || quantity(self.trainer.sharedMemory).asApproximateFloat() >= double((self.trainer.prefetchBatches + 2) * self.batch.size * 3) * double(self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0))"
+    ).message("trainer.sharedMemory is too small for the ring: it must hold (trainer.prefetchBatches + 2 held by the trainer) × batch.size × (width × height, or maxPixels) × 3 bytes").field_path(".trainer.sharedMemory")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct DataPipelineSpec {
@@ -616,15 +617,30 @@ mod tests {
     }
 
     #[test]
-    fn shared_memory_must_hold_the_prefetched_batches() {
+    fn shared_memory_must_hold_the_ring() {
+        // The ring exactly as the sidecar maps it: accepted at the bound, refused a byte below.
+        let at_bound = |dp: &DataPipeline, pixels: i64| {
+            let size = |v: i64| u64::try_from(v).expect("positive");
+            stoker_contract::ring_bytes(
+                size(dp.spec.trainer.prefetch_batches),
+                size(dp.spec.batch.size),
+                size(pixels),
+            )
+        };
         let mut dp = crop();
-        // 8 batches × 32 × 448 × 448 × 3 bytes ≈ 147 MiB.
-        dp.spec.trainer.shared_memory = "100Mi".into();
+        let ring = at_bound(&dp, 448 * 448);
+        // 10 slots × 32 × 448 × 448 × 3 bytes.
+        assert_eq!(ring, 192_675_840);
+        dp.spec.trainer.shared_memory = ring.to_string();
+        dp.validate_cel().expect("a ring exactly at the bound fits");
+        dp.spec.trainer.shared_memory = (ring - 1).to_string();
         assert!(rejected(&dp).contains("trainer.sharedMemory is too small"));
-        dp.spec.trainer.shared_memory = "148Mi".into();
-        dp.validate_cel().expect("148Mi holds 147 MiB");
         let mut q = qwen();
-        q.spec.trainer.shared_memory = "128Mi".into();
+        let ring = at_bound(&q, q.spec.transform.resize.max_pixels.expect("maxPixels"));
+        q.spec.trainer.shared_memory = ring.to_string();
+        q.validate_cel()
+            .expect("a qwenSmart ring at the bound fits");
+        q.spec.trainer.shared_memory = (ring - 1).to_string();
         assert!(rejected(&q).contains("trainer.sharedMemory is too small"));
     }
 

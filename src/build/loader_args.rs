@@ -6,8 +6,9 @@ use std::net::{Ipv4Addr, SocketAddr};
 
 use kube::ResourceExt;
 use stoker_contract::{
-    DECODER_GRPC_PORT, DecodeArgs, LoaderCommand, RenderError, S3Args, SHM_DIR,
+    DECODER_GRPC_PORT, DecodeArgs, LoaderCommand, RenderError, ResizeMode, S3Args, SHM_DIR,
     SIDECAR_HEALTH_PORT, SOCKET_PATH, SidecarArgs, TransformArgs, decoder_discovery_selector,
+    slot_bytes,
 };
 
 use crate::api::DataPipeline;
@@ -56,10 +57,17 @@ pub fn decode(dp: &DataPipeline) -> Result<DecodeArgs, clap::Error> {
 pub fn sidecar(dp: &DataPipeline) -> Result<SidecarArgs, clap::Error> {
     let spec = &dp.spec;
     let defaults = SidecarArgs::parse_flags(["--bucket", spec.source.s3.bucket.as_str()])?;
+    let transform = transform_args(dp, defaults.transform.clone());
+    let batch_size = or_default(Some(spec.batch.size), defaults.batch_size);
+    // qwenSmart sizes vary: a slot holds the largest the pipeline allows, as the CRD's
+    // shared-memory rule counts it.
+    let slot_bytes = (transform.resize == ResizeMode::QwenSmart)
+        .then(|| slot_bytes(batch_size as u64, transform.max_pixels))
+        .and_then(|b| usize::try_from(b).ok());
     Ok(SidecarArgs {
         prefix: spec.source.s3.prefix.clone().unwrap_or_default(),
         manifest: spec.source.manifest.clone(),
-        batch_size: or_default(Some(spec.batch.size), defaults.batch_size),
+        batch_size,
         seed: or_default(spec.batch.shuffle_seed, defaults.seed),
         no_shuffle: spec.batch.shuffle_seed.is_none(),
         drop_last: spec.batch.drop_last,
@@ -74,7 +82,8 @@ pub fn sidecar(dp: &DataPipeline) -> Result<SidecarArgs, clap::Error> {
         workers_namespace: dp.namespace().unwrap_or_default(),
         workers_port: DECODER_GRPC_PORT,
         gpu_placement: spec.trainer.gpu_placement,
-        transform: transform_args(dp, defaults.transform.clone()),
+        slot_bytes,
+        transform,
         s3: s3_args(dp, defaults.s3.clone()),
         ..defaults
     })
@@ -93,7 +102,7 @@ pub fn sidecar_args(dp: &DataPipeline) -> Result<Vec<String>, RenderError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stoker_contract::{GpuPlacement, ResizeMode};
+    use stoker_contract::GpuPlacement;
 
     fn dp(fixture: &str) -> DataPipeline {
         serde_yaml::from_str(fixture).expect("fixture")
@@ -129,6 +138,10 @@ mod tests {
         assert_eq!(args.transform.resize, ResizeMode::QwenSmart);
         assert_eq!(args.transform.max_pixels, 1_003_520);
         assert_eq!(args.transform.factor, 28);
+        // Slots hold maxPixels per sample: no good image is skipped as too large.
+        assert_eq!(args.slot_bytes, Some(16 * 1_003_520 * 3));
+        let crop = self::dp(include_str!("../../tests/fixtures/datapipeline-crop.yaml"));
+        assert_eq!(sidecar(&crop).expect("builds").slot_bytes, None);
         assert_eq!(args.gpu_placement, spec.trainer.gpu_placement);
         let mut host = dp.clone();
         host.spec.trainer.gpu_placement = GpuPlacement::Host;

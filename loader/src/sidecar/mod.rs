@@ -58,6 +58,17 @@ pub enum SidecarError {
     },
     #[error("--socket names one socket; with --local-ranks {local_ranks} use --shm-dir")]
     SocketWithLocalRanks { local_ranks: u32 },
+    #[error(
+        "the rings need {needed} bytes ({ranks} rank(s) × {slots} slots × {slot_bytes} bytes) but {dir} has {free} bytes free: raise the DataPipeline's trainer.sharedMemory or lower trainer.prefetchBatches"
+    )]
+    RingsTooLarge {
+        dir: String,
+        needed: u64,
+        free: u64,
+        ranks: u64,
+        slots: usize,
+        slot_bytes: usize,
+    },
 }
 
 impl SidecarError {
@@ -72,6 +83,7 @@ impl SidecarError {
             SidecarError::Pool { .. } => "pool",
             SidecarError::StartBatch { .. } => "start_batch",
             SidecarError::SocketWithLocalRanks { .. } => "socket_with_local_ranks",
+            SidecarError::RingsTooLarge { .. } => "rings_too_large",
         }
     }
 }
@@ -92,6 +104,7 @@ pub async fn run(
     let plans = stages::plan_epochs(&args, dataset.samples.len())?;
     let layout = stages::ring_layout(&args, &transform);
     stages::create_shm_dir(&args.shm_dir)?;
+    stages::check_rings_fit(&args, &layout)?;
     let local_pool = stages::start_local_pool(args.local_decoders)?;
     let mut workers = stages::start_fleet(&args).await?;
     let kube_client = workers.kube_client.take();

@@ -194,6 +194,33 @@ pub(super) fn create_shm_dir(dir: &Path) -> Result<(), SidecarError> {
     })
 }
 
+/// Refuses to start when the rings cannot fit in the shared-memory directory: a ring file is
+/// sparse, and a write past a full tmpfs kills the sidecar with SIGBUS mid-epoch.
+pub(super) fn check_rings_fit(args: &SidecarArgs, layout: &RingLayout) -> Result<(), SidecarError> {
+    let ranks = u64::from(args.local_ranks.max(1));
+    let needed = ranks
+        .saturating_mul(layout.slots as u64)
+        .saturating_mul(layout.slot_bytes as u64);
+    let dir = args.shm_dir.display().to_string();
+    let stat = rustix::fs::statvfs(&args.shm_dir).map_err(|e| SidecarError::Bind {
+        what: "shm dir",
+        addr: dir.clone(),
+        source: e.into(),
+    })?;
+    let free = stat.f_bavail.saturating_mul(stat.f_frsize);
+    if needed > free {
+        return Err(SidecarError::RingsTooLarge {
+            dir,
+            needed,
+            free,
+            ranks,
+            slots: layout.slots,
+            slot_bytes: layout.slot_bytes,
+        });
+    }
+    Ok(())
+}
+
 /// The threads that decode in the sidecar: --local-decoders, 0 = one per core.
 pub(super) fn start_local_pool(
     local_decoders: usize,

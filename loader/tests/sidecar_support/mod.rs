@@ -50,7 +50,9 @@ impl Drop for Proc {
     }
 }
 
-fn spawn(mut cmd: Command, server: &S3Server) -> Proc {
+/// The S3 test server's credentials, no instance metadata, and none of the caller's own rank
+/// or socket settings.
+fn with_test_env(cmd: &mut Command, server: &S3Server) {
     cmd.env("AWS_ACCESS_KEY_ID", server.access_key())
         .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
         .env("AWS_EC2_METADATA_DISABLED", "true")
@@ -63,9 +65,12 @@ fn spawn(mut cmd: Command, server: &S3Server) -> Proc {
         .env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-        )
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        );
+}
+
+fn spawn(mut cmd: Command, server: &S3Server) -> Proc {
+    with_test_env(&mut cmd, server);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
     let mut child = cmd.spawn().expect("spawn stoker-loader");
     let mut line = String::new();
     let stdout = child.stdout.take().expect("stdout");
@@ -157,6 +162,51 @@ pub fn sidecar_with_env(
     extra: &[&str],
     env: &[(&str, &std::ffi::OsStr)],
 ) -> SidecarProc {
+    let mut cmd = sidecar_command(server, dir, workers, extra);
+    cmd.envs(env.iter().copied());
+    let proc = spawn(cmd, server);
+    let http = proc.field("http").parse().expect("http addr");
+    let sockets: Vec<PathBuf> = proc.field("socket").split(',').map(PathBuf::from).collect();
+    let shm_file = PathBuf::from(proc.field("shm").split(',').next().unwrap_or_default());
+    SidecarProc {
+        proc,
+        socket: sockets[0].clone(),
+        sockets,
+        http,
+        shm: shm_file,
+    }
+}
+
+/// Runs a sidecar that must refuse to start; returns what it said on stderr.
+pub fn sidecar_refusal(server: &S3Server, dir: &Path, extra: &[&str]) -> String {
+    let mut cmd = sidecar_command(server, dir, &[], extra);
+    with_test_env(&mut cmd, server);
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn stoker-loader");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the sidecar started instead of refusing");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("output");
+    assert!(!out.status.success(), "the sidecar exited 0");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// `stoker-loader sidecar` over the `data` bucket with its own shm dir; `extra` adds flags or
+/// replaces the defaults.
+fn sidecar_command(
+    server: &S3Server,
+    dir: &Path,
+    workers: &[&DecodeWorkerProc],
+    extra: &[&str],
+) -> Command {
     let shm = dir.join(format!("shm-{}", fastrand_suffix()));
     std::fs::create_dir_all(&shm).expect("shm dir");
     let socket = shm.join("stoker.sock");
@@ -179,19 +229,8 @@ pub fn sidecar_with_env(
         }
     }
     cmd.args(extra);
-    cmd.envs(env.iter().copied());
     s3_flags(&mut cmd, server);
-    let proc = spawn(cmd, server);
-    let http = proc.field("http").parse().expect("http addr");
-    let sockets: Vec<PathBuf> = proc.field("socket").split(',').map(PathBuf::from).collect();
-    let shm_file = PathBuf::from(proc.field("shm").split(',').next().unwrap_or_default());
-    SidecarProc {
-        proc,
-        socket: sockets[0].clone(),
-        sockets,
-        http,
-        shm: shm_file,
-    }
+    cmd
 }
 
 fn fastrand_suffix() -> String {
