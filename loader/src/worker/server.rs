@@ -38,8 +38,8 @@ pub struct WorkerConfig {
 impl Default for WorkerConfig {
     fn default() -> Self {
         Self {
-            grpc_addr: ([0, 0, 0, 0], 50051).into(),
-            http_addr: ([0, 0, 0, 0], 9090).into(),
+            grpc_addr: ([0, 0, 0, 0], stoker_contract::DECODER_GRPC_PORT).into(),
+            http_addr: ([0, 0, 0, 0], stoker_contract::DECODER_METRICS_PORT).into(),
             threads: 0,
             queue_depth: 0,
             max_batch_samples: 1024,

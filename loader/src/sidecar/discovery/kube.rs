@@ -8,11 +8,9 @@ use kube::Api;
 use kube::api::ListParams;
 use kube::runtime::{WatchStreamExt, watcher};
 
-use super::{DECODER_GRPC_PORT, DiscoveryError, DiscoveryFuture, WorkerDiscovery};
+use stoker_contract::{ANNOTATION_LOCAL_SHARE, DECODER_GRPC_PORT, LABEL_DRAINING};
 
-/// Set by the operator on a decode pod it is about to remove: the sidecar stops sending to it
-/// while it finishes its in-flight batches.
-pub const DRAINING_LABEL: &str = "stoker.dev/draining";
+use super::{DiscoveryError, DiscoveryFuture, WorkerDiscovery};
 
 pub struct KubeWorkers {
     pub client: kube::Client,
@@ -74,7 +72,7 @@ pub fn serving_address(pod: &Pod, port: u16) -> Option<String> {
         .metadata
         .labels
         .as_ref()
-        .and_then(|l| l.get(DRAINING_LABEL))
+        .and_then(|l| l.get(LABEL_DRAINING))
         .is_some_and(|v| v == "true");
     if draining || pod.metadata.deletion_timestamp.is_some() {
         return None;
@@ -97,11 +95,6 @@ pub fn serving_address(pod: &Pod, port: u16) -> Option<String> {
     })
 }
 
-/// On the trainer pod: the share of batches (0..=1) its sidecar decodes itself, set by the
-/// operator's autoscaler when the trainer node's own NIC is the bottleneck (the operator's
-/// `ANNOTATION_LOCAL_SHARE`).
-pub const LOCAL_SHARE_ANNOTATION: &str = "stoker.dev/local-share";
-
 /// The share a pod's annotation asks for: `None` without one, `Some(Err)` for a value outside
 /// 0..=1 or not a number.
 pub fn local_share_of(pod: &Pod) -> Option<Result<f64, String>> {
@@ -109,7 +102,7 @@ pub fn local_share_of(pod: &Pod) -> Option<Result<f64, String>> {
         .metadata
         .annotations
         .as_ref()?
-        .get(LOCAL_SHARE_ANNOTATION)?;
+        .get(ANNOTATION_LOCAL_SHARE)?;
     Some(
         value
             .trim()
@@ -151,7 +144,7 @@ pub async fn follow_local_share(
                 apply(share);
             }
             Ok(Some(Err(value))) => {
-                tracing::warn!(pod = %pod, %value, "{LOCAL_SHARE_ANNOTATION} is not a number in 0..=1; ignored");
+                tracing::warn!(pod = %pod, %value, "{ANNOTATION_LOCAL_SHARE} is not a number in 0..=1; ignored");
             }
             Ok(_) => {}
             Err(err) => tracing::warn!(pod = %pod, %err, "watching the sidecar's own pod"),
@@ -167,7 +160,7 @@ mod tests {
     fn the_share_annotation_reads_as_a_number_in_range() {
         let with = |v: &str| -> Pod {
             serde_json::from_value(serde_json::json!({
-                "metadata": { "name": "t", "annotations": { LOCAL_SHARE_ANNOTATION: v } }
+                "metadata": { "name": "t", "annotations": { ANNOTATION_LOCAL_SHARE: v } }
             }))
             .unwrap()
         };
@@ -180,7 +173,7 @@ mod tests {
 
     fn pod(ready: &str, ip: Option<&str>, draining: Option<&str>) -> Pod {
         let labels: Option<std::collections::BTreeMap<String, String>> = draining.map(|d| {
-            [(DRAINING_LABEL.to_string(), d.to_string())]
+            [(LABEL_DRAINING.to_string(), d.to_string())]
                 .into_iter()
                 .collect()
         });

@@ -13,9 +13,6 @@ use std::pin::Pin;
 
 pub use self::kube::KubeWorkers;
 
-/// The port decode workers serve gRPC on in a pod.
-pub const DECODER_GRPC_PORT: u16 = 50051;
-
 #[derive(Debug, thiserror::Error)]
 pub enum DiscoveryError {
     #[error("resolving {name}: {source}")]
