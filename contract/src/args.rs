@@ -142,9 +142,13 @@ pub struct SidecarArgs {
     pub no_shuffle: bool,
     #[arg(long, env = "STOKER_DROP_LAST")]
     pub drop_last: bool,
-    /// This trainer's rank; torchrun's RANK.
-    #[arg(long, env = "RANK", default_value_t = 0)]
-    pub rank: u32,
+    /// Global rank of the first trainer served; torchrun's RANK. Unset: node rank × local
+    /// ranks. A trainer's client says its own rank when it connects, which wins.
+    #[arg(long, env = "RANK")]
+    pub rank: Option<u32>,
+    /// This pod's place among the job's pods; the first rank served is node rank × local ranks.
+    #[arg(long, env = crate::env::NODE_RANK, default_value_t = 0)]
+    pub node_rank: u32,
     #[arg(long, env = "WORLD_SIZE", default_value_t = 1)]
     pub world_size: u32,
     /// Local rank of the first trainer served; names its socket (stoker-<local rank>.sock).
@@ -152,7 +156,7 @@ pub struct SidecarArgs {
     pub local_rank: u32,
     /// Trainer processes in the pod served by this sidecar (torchrun's nproc_per_node): ranks
     /// `rank .. rank + local_ranks`, one ring and one socket each. torchrun's LOCAL_WORLD_SIZE.
-    #[arg(long, env = "STOKER_LOCAL_RANKS", default_value_t = 1)]
+    #[arg(long, env = crate::env::LOCAL_RANKS, default_value_t = 1)]
     pub local_ranks: u32,
     /// Resume: first epoch to deliver.
     #[arg(long, env = "STOKER_START_EPOCH", default_value_t = 0)]
@@ -228,4 +232,12 @@ pub struct SidecarArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub s3: S3Args,
+}
+
+impl SidecarArgs {
+    /// Global rank of the first trainer served: `--rank`, else node rank × local ranks.
+    pub fn first_rank(&self) -> u32 {
+        self.rank
+            .unwrap_or(self.node_rank.saturating_mul(self.local_ranks.max(1)))
+    }
 }

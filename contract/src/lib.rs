@@ -28,6 +28,9 @@ pub const ANNOTATION_INJECTED: &str = "stoker.dev/injected";
 pub const ANNOTATION_RANK: &str = "stoker.dev/rank";
 /// The world size a trainer pod declares.
 pub const ANNOTATION_WORLD_SIZE: &str = "stoker.dev/world-size";
+/// Trainer processes in a trainer pod (torchrun's `--nproc-per-node`), when the pod's own
+/// environment, command or GPU limit does not say.
+pub const ANNOTATION_LOCAL_RANKS: &str = "stoker.dev/local-ranks";
 /// On a trainer pod: the share of batches (0..=1) its sidecar decodes itself, set by the
 /// autoscaler when the trainer node's NIC is the bottleneck; the sidecar watches its own pod.
 pub const ANNOTATION_LOCAL_SHARE: &str = "stoker.dev/local-share";
@@ -43,8 +46,6 @@ pub const SIDECAR_HEALTH_PORT: u16 = 9091;
 
 /// Where the shared-memory ring lives, in the sidecar and in every trainer container.
 pub const SHM_DIR: &str = "/dev/shm/stoker";
-/// The unix socket the trainer's `stoker` client connects to.
-pub const SOCKET_PATH: &str = "/dev/shm/stoker/stoker.sock";
 
 /// Batches a trainer may hold while the sidecar fills others: a ring has
 /// `prefetchBatches + HELD_BATCHES` slots.
@@ -73,6 +74,10 @@ pub mod env {
     pub const POD_NAME: &str = "STOKER_POD_NAME";
     /// The node the sidecar runs on.
     pub const NODE_NAME: &str = "STOKER_NODE_NAME";
+    /// Trainer processes the sidecar serves, one socket and ring each.
+    pub const LOCAL_RANKS: &str = "STOKER_LOCAL_RANKS";
+    /// The pod's place among the job's pods (torchrun's `--node-rank`).
+    pub const NODE_RANK: &str = "STOKER_NODE_RANK";
 }
 
 /// The label selector sidecars use to discover a pipeline's serving decoders.

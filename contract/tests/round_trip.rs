@@ -26,7 +26,8 @@ fn sidecar() -> SidecarArgs {
         seed: 9,
         no_shuffle: true,
         drop_last: true,
-        rank: 3,
+        rank: Some(3),
+        node_rank: 1,
         world_size: 8,
         local_rank: 2,
         local_ranks: 4,
@@ -112,7 +113,7 @@ fn defaults_that_the_environment_may_set_are_left_to_it() {
     assert!(line.contains("--resize crop"), "{line}");
     assert!(line.contains("--gpu-placement auto"), "{line}");
     // A value the environment could set is still sent when it is not the default.
-    args.rank = 1;
+    args.rank = Some(1);
     assert!(
         args.command_line()
             .expect("renders")

@@ -11,6 +11,8 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use sidecar_support::*;
+use stoker_loader::sidecar::client::TrainerClient;
+use stoker_loader::sidecar::plan::Shard;
 use stoker_loader::sidecar::protocol::Reply;
 use stoker_testenv::cluster::ControlPlane;
 use stoker_testenv::http;
@@ -533,11 +535,7 @@ fn one_sidecar_serves_several_local_ranks_with_their_own_rings() {
             .enumerate()
             .map(|(i, path)| {
                 s.spawn(move || {
-                    let mut c = stoker_loader::sidecar::client::TrainerClient::connect(
-                        path,
-                        Duration::from_secs(60),
-                    )
-                    .unwrap();
+                    let mut c = TrainerClient::connect(path, Duration::from_secs(60)).unwrap();
                     assert_eq!(c.hello.rank, i as u32);
                     consume_epoch(&mut c, |_, _| {})
                 })
@@ -568,4 +566,112 @@ fn a_ring_that_cannot_fit_is_refused_at_start() {
     let said = sidecar_refusal(&server, dir.path(), &["--slot-bytes", "1000000000000"]);
     assert!(said.contains("the rings need"), "{said}");
     assert!(said.contains("trainer.sharedMemory"), "{said}");
+}
+
+/// Takes `k` batches, releasing each: their keys, and the resume position after the last.
+fn take_batches(client: &mut TrainerClient, k: usize) -> (Vec<String>, u64) {
+    let mut keys = Vec::new();
+    let mut position = 0;
+    for _ in 0..k {
+        match client.next(Duration::from_secs(60)).expect("next") {
+            Reply::Batch(b) => {
+                keys.extend(b.samples.iter().map(|s| s.key.clone()));
+                position = b.position;
+                client.release(b.slot).expect("release");
+            }
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+    (keys, position)
+}
+
+/// Elastic training: a job of 4 ranks checkpoints after 3 batches and comes back as 3 ranks,
+/// on the same sidecar. The rest of that epoch, and the next epoch, reach the trainers exactly
+/// once each.
+#[test]
+fn a_checkpoint_resumes_over_a_new_world_size_exactly_once() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path().join("s3")).unwrap();
+    let keys = dataset(&server, 144, 32, 24);
+    let flags = [
+        "--world-size",
+        "4",
+        "--local-ranks",
+        "4",
+        "--batch-size",
+        "4",
+    ];
+    let sc = sidecar(&server, dir.path(), &[], &flags);
+    let before: Vec<(Vec<String>, u64)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (sc.sockets.iter())
+            .map(|path| {
+                s.spawn(move || {
+                    let mut c = TrainerClient::connect(path, Duration::from_secs(60)).unwrap();
+                    take_batches(&mut c, 3)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let positions: HashSet<u64> = before.iter().map(|(_, p)| *p).collect();
+    assert_eq!(
+        positions,
+        HashSet::from([48]),
+        "every rank saves the same point"
+    );
+    let after: Vec<(Epoch, Epoch)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3u32)
+            .map(|rank| {
+                let path = &sc.sockets[rank as usize];
+                s.spawn(move || {
+                    let shard = Shard {
+                        rank,
+                        world_size: 3,
+                    };
+                    let mut c =
+                        TrainerClient::connect_as(path, Duration::from_secs(60), Some(shard))
+                            .unwrap();
+                    assert_eq!((c.hello.rank, c.hello.world_size), (rank, 3));
+                    let seeked = c.seek(0, 48).unwrap();
+                    assert!(
+                        matches!(seeked, Reply::Seeked { batches: 8, .. }),
+                        "{seeked:?}"
+                    );
+                    let rest = consume_epoch(&mut c, |_, _| {});
+                    let next = consume_epoch(&mut c, |_, _| {});
+                    (rest, next)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut epoch0: Vec<String> = before.iter().flat_map(|(k, _)| k.clone()).collect();
+    epoch0.extend(after.iter().flat_map(|(rest, _)| rest.keys()));
+    epoch0.sort();
+    assert_eq!(
+        epoch0, keys,
+        "epoch 0: every sample once across 4 then 3 ranks"
+    );
+    let mut epoch1: Vec<String> = after.iter().flat_map(|(_, next)| next.keys()).collect();
+    epoch1.sort();
+    assert_eq!(epoch1, keys, "epoch 1: every sample once across 3 ranks");
+}
+
+/// A checkpoint of another order (another seed) is refused with the field named, and the
+/// stream goes on as before.
+#[test]
+fn a_checkpoint_of_another_order_is_refused() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path().join("s3")).unwrap();
+    dataset(&server, 12, 32, 24);
+    let sc = sidecar(&server, dir.path(), &[], &["--batch-size", "4"]);
+    let mut c = sc.connect();
+    c.hello.seed += 1;
+    match c.seek(0, 4).unwrap() {
+        Reply::Error { message } => assert!(message.contains("seed"), "{message}"),
+        other => panic!("a foreign checkpoint was accepted: {other:?}"),
+    }
+    assert_eq!(consume_epoch(&mut c, |_, _| {}).keys().len(), 12);
 }

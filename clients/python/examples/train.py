@@ -1,7 +1,8 @@
 """A toy training loop fed by the stoker sidecar.
 
-Run inside a trainer pod (the operator's webhook sets STOKER_SOCKET), or locally next to
-`stoker-loader sidecar`. Uses torch when installed (the GPU when present), numpy otherwise.
+Run inside a trainer pod (the socket is $STOKER_SHM_DIR/stoker-$LOCAL_RANK.sock), or locally
+next to `stoker-loader sidecar` with STOKER_SOCKET. Uses torch when installed (the GPU when
+present), numpy otherwise. checkpoint_loop.py adds checkpoint and resume.
 """
 
 import argparse

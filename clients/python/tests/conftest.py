@@ -1,21 +1,30 @@
 """Real processes for the client tests: the `stoker-s3` test server and `stoker-loader`
 (decode workers and the sidecar), built by `cargo build -p stoker-loader` and
-`cargo build -p stoker-testenv --bin stoker-s3`. Images are PNGs written by a tiny encoder
-(zlib only), so the tests need nothing beyond numpy and pytest.
+`cargo build -p stoker-testenv --bin stoker-s3`, and trainer processes (`trainer_proc.py`)
+that use the client as torchrun's workers do. Images are PNGs written by a tiny encoder
+(zlib only), so the tests need nothing beyond numpy and pytest (transformers for the Qwen
+reference).
 """
 
+import json
 import os
 import pathlib
 import signal
 import struct
 import subprocess
+import sys
 import threading
+import time
 import zlib
 
 import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
+CLIENT_SRC = REPO / "clients" / "python" / "src"
+TRAINER = pathlib.Path(__file__).resolve().parent / "trainer_proc.py"
+# The tests exercise this checkout's client, not a copy installed in the venv.
+sys.path.insert(0, str(CLIENT_SRC))
 BUCKET = "data"
 ACCESS_KEY = "stoker-test-access"
 SECRET_KEY = "stoker-test-secret"
@@ -28,11 +37,38 @@ def _binary(env: str, name: str) -> str:
     return path
 
 
-def png(width: int, height: int, seed: int) -> bytes:
-    """An RGB PNG with a gradient that depends on `seed`."""
+def png_pixels(width: int, height: int, seed: int) -> np.ndarray:
+    """The pixels `png(width, height, seed)` encodes, as (height, width, 3) uint8."""
     y, x = np.mgrid[0:height, 0:width]
     rgb = np.stack([(x * 255 // max(width - 1, 1)), (y * 255 // max(height - 1, 1)), (x + y + seed * 37) % 256], -1)
-    raw = b"".join(b"\x00" + row.astype(np.uint8).tobytes() for row in rgb)
+    return rgb.astype(np.uint8)
+
+
+def photo_pixels(width: int, height: int, seed: int) -> np.ndarray:
+    """Photo-like (height, width, 3) uint8: smooth shading, edges, fine texture and noise, so
+    that two resize filters differ as they do on real images (on a gradient they agree)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    img = np.empty((height, width, 3), dtype=np.float32)
+    for c in range(3):
+        fx, fy = rng.uniform(0.002, 0.02, 2)
+        smooth = 110 + 70 * np.sin(x * fx + c) * np.cos(y * fy)
+        edges = 40 * (((x // rng.integers(40, 120)) + (y // rng.integers(40, 120))) % 2)
+        texture = 20 * np.sin(x * rng.uniform(0.3, 1.2)) * np.sin(y * rng.uniform(0.3, 1.2))
+        img[..., c] = smooth + edges + texture
+    img += rng.normal(0, 6, img.shape).astype(np.float32)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """An RGB PNG with a gradient that depends on `seed`."""
+    return png_encode(png_pixels(width, height, seed))
+
+
+def png_encode(rgb: np.ndarray) -> bytes:
+    """(height, width, 3) uint8 as an RGB PNG."""
+    height, width = rgb.shape[:2]
+    raw = b"".join(b"\x00" + row.tobytes() for row in rgb)
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
@@ -41,12 +77,26 @@ def png(width: int, height: int, seed: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
-class Proc:
-    """A child process whose first stdout line announces its addresses; killed on stop."""
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "STOKER_SOCKET", "STOKER_SHM_DIR")
 
-    def __init__(self, args, env=None):
+
+def vm_rss_bytes(pid: int) -> int:
+    """Resident memory of a process, from /proc/<pid>/status."""
+    for line in pathlib.Path("/proc/%d/status" % pid).read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("VmRSS")
+
+
+class Proc:
+    """A child process whose first stdout line announces its addresses; killed on stop.
+
+    ``popen``: extra subprocess.Popen arguments (user, group, extra_groups).
+    """
+
+    def __init__(self, args, env=None, popen=None):
         full_env = dict(os.environ)
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "STOKER_SOCKET", "STOKER_SHM_DIR", "AWS_PROFILE"):
+        for k in TORCHRUN_ENV + ("AWS_PROFILE",):
             full_env.pop(k, None)
         full_env.update(
             {
@@ -57,7 +107,7 @@ class Proc:
             }
         )
         full_env.update(env or {})
-        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, env=full_env)
+        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, env=full_env, **(popen or {}))
         self.line = self.p.stdout.readline().decode()
         if "listening" not in self.line:
             self.p.kill()
@@ -88,8 +138,8 @@ class Env:
         self.endpoint = s3.line.strip().split()[-1]
         self.keys = []
 
-    def _start(self, args, env=None):
-        p = Proc(args, env)
+    def _start(self, args, env=None, popen=None):
+        p = Proc(args, env, popen)
         self.procs.append(p)
         return p
 
@@ -103,6 +153,16 @@ class Env:
             self.keys.append(key)
         return list(self.keys)
 
+    def images(self, sizes, pixels=photo_pixels):
+        """One PNG per (width, height) of `pixels(w, h, seed)`; returns (key, pixels) pairs."""
+        out = []
+        for i, (w, h) in enumerate(sizes):
+            key = "big-%04d.png" % i
+            rgb = pixels(w, h, i)
+            self.put(key, png_encode(rgb))
+            out.append((key, rgb))
+        return out
+
     def s3_flags(self):
         return ["--endpoint", self.endpoint, "--region", "us-east-1", "--force-path-style", "--max-attempts", "3"]
 
@@ -113,20 +173,63 @@ class Env:
         )
         return p.field("grpc")
 
-    def sidecar(self, *extra, workers=()):
-        shm = self.tmp / ("shm-%d" % len(self.procs))
-        shm.mkdir()
-        args = [self.loader, "sidecar", "--bucket", BUCKET, "--http-addr", "127.0.0.1:0"]
+    def sidecar(self, *extra, workers=(), shm=None, loader=None, env=None, popen=None):
+        """A sidecar; ``shm``: its shared-memory dir (made here when None); ``p.sockets``: one
+        per local rank."""
+        if shm is None:
+            shm = self.tmp / ("shm-%d" % len(self.procs))
+            shm.mkdir()
+        args = [loader or self.loader, "sidecar", "--bucket", BUCKET, "--http-addr", "127.0.0.1:0"]
         args += ["--shm-dir", str(shm), "--local-decoders", "1"] + list(extra) + self.s3_flags()
         if workers:
             args += ["--workers", ",".join(workers)]
-        p = self._start(args)
-        p.socket = p.field("socket")
+        p = self._start(args, env=env, popen=popen)
+        p.sockets = p.field("socket").split(",")
+        p.socket = p.sockets[0]
+        p.shm = pathlib.Path(shm)
         return p
+
+    def trainer(self, out, *args, rank=None, world_size=None, local_rank=None, shm=None, socket=None):
+        """A trainer process (trainer_proc.py) with torchrun's environment; ``out``: the record
+        it writes after every batch (its state_dict and the samples it trained on)."""
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+        env["PYTHONPATH"] = str(CLIENT_SRC)
+        for name, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", local_rank),
+                            ("STOKER_SHM_DIR", shm), ("STOKER_SOCKET", socket)):
+            if value is not None:
+                env[name] = str(value)
+        cmd = [sys.executable, str(TRAINER), "--out", str(out)] + [str(a) for a in args]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def stop(self):
         for p in reversed(self.procs):
             p.kill9()
+
+
+def read_record(path):
+    """A trainer's record: {"state": state_dict, "trained": {epoch: [keys]}, "batches": n}."""
+    return json.loads(pathlib.Path(path).read_text())
+
+
+def wait_all(procs, timeout):
+    """Waits for every trainer; kills all and fails on the first that errs or outlives
+    ``timeout`` (a deadlock must fail the test, not hang it)."""
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise AssertionError("trainer %s exited %s:\n%s" % (p.args[-1], p.returncode, err[-3000:]))
+            outputs.append(out)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("trainers still running after %.0fs: a deadlock" % timeout) from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outputs
 
 
 @pytest.fixture

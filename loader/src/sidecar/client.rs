@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use memmap2::Mmap;
 
+use super::plan::Shard;
 use super::protocol::{BatchHeader, HelloInfo, Reply, Request};
 
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +51,15 @@ pub struct TrainerClient {
 impl TrainerClient {
     /// Connects, says hello and maps the ring read-only.
     pub fn connect(socket: &Path, io_timeout: Duration) -> Result<Self, ClientError> {
+        Self::connect_as(socket, io_timeout, None)
+    }
+
+    /// Connects as trainer `rank` of `world_size` (`None`: the sidecar's own).
+    pub fn connect_as(
+        socket: &Path,
+        io_timeout: Duration,
+        shard: Option<Shard>,
+    ) -> Result<Self, ClientError> {
         let stream = UnixStream::connect(socket).map_err(|source| ClientError::Connect {
             path: socket.display().to_string(),
             source,
@@ -57,7 +67,14 @@ impl TrainerClient {
         stream.set_read_timeout(Some(io_timeout))?;
         let mut writer = stream.try_clone()?;
         let mut reader = BufReader::new(stream);
-        let hello = match call(&mut reader, &mut writer, &Request::Hello)? {
+        let hello = match call(
+            &mut reader,
+            &mut writer,
+            &Request::Hello {
+                rank: shard.map(|s| s.rank),
+                world_size: shard.map(|s| s.world_size),
+            },
+        )? {
             Reply::Hello(h) => h,
             other => {
                 return Err(ClientError::Protocol {
@@ -85,6 +102,18 @@ impl TrainerClient {
         self.call(&Request::Next {
             timeout_ms: Some(timeout.as_millis() as u64),
         })
+    }
+
+    /// Restarts the stream at a resume point of this pipeline's order.
+    pub fn seek(&mut self, epoch: u64, position: u64) -> Result<Reply, ClientError> {
+        let req = Request::Seek {
+            epoch,
+            position,
+            seed: self.hello.seed,
+            batch_size: self.hello.batch_size,
+            samples: self.hello.samples,
+        };
+        self.call(&req)
     }
 
     pub fn release(&mut self, slot: u32) -> Result<(), ClientError> {

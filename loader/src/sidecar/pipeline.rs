@@ -11,10 +11,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::future::join_all;
 use tokio::sync::Notify;
+use tokio::task::AbortHandle;
 
 use super::fleet::{DecodeWorkerHandle, DecoderFleet};
 use super::metrics::{ReasonLabel, RouteLabel, SidecarMetrics};
-use super::plan::PlanConfig;
+use super::plan::{Cursor, PlanConfig, PlanError, Shard};
 use super::protocol::{BatchHeader, SampleHeader, monotonic_ns};
 use super::ring::{ShmRing, SlotLease};
 use crate::batch::{EncodedSample, SampleMeta, decode_batch_into};
@@ -36,6 +37,10 @@ pub enum Item {
 struct DeliveryState {
     ready: BTreeMap<u64, Item>,
     next_seq: u64,
+    /// The stream the items belong to; items of an earlier stream are refused.
+    generation: u64,
+    /// Where the trainer stands: after the last item handed out.
+    standing: Cursor,
 }
 
 /// The reorder buffer: items arrive in any order and leave in sequence order.
@@ -52,9 +57,44 @@ impl Delivery {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    pub fn publish(&self, seq: u64, item: Item) {
-        self.lock().ready.insert(seq, item);
+    /// Adds item `seq` of stream `generation`; an item of a stream since replaced is handed
+    /// back (its slot is the caller's to free).
+    fn publish(&self, generation: u64, seq: u64, item: Item) -> Result<(), Item> {
+        {
+            let mut s = self.lock();
+            if s.generation != generation {
+                return Err(item);
+            }
+            s.ready.insert(seq, item);
+        }
         self.notify.notify_waiters();
+        Ok(())
+    }
+
+    /// Starts stream `generation` at `at`: returns the slots of the batches decoded for the
+    /// stream it replaces and never handed out.
+    fn reset(&self, generation: u64, at: Cursor) -> Vec<u32> {
+        let mut s = self.lock();
+        let stale = std::mem::take(&mut s.ready);
+        *s = DeliveryState {
+            generation,
+            standing: at,
+            ..DeliveryState::default()
+        };
+        drop(s);
+        self.notify.notify_waiters();
+        stale
+            .into_values()
+            .filter_map(|item| match item {
+                Item::Batch(header) => Some(header.slot),
+                Item::EndOfEpoch(_) | Item::Done => None,
+            })
+            .collect()
+    }
+
+    /// Where the trainer stands in the epochs: after the last item handed out.
+    pub fn standing(&self) -> Cursor {
+        self.lock().standing
     }
 
     /// Batches decoded and not yet delivered.
@@ -77,11 +117,25 @@ impl Delivery {
                 let mut s = self.lock();
                 let seq = s.next_seq;
                 if let Some(item) = s.ready.remove(&seq) {
-                    // `Done` stays: every later request gets it too.
-                    if matches!(item, Item::Done) {
-                        s.ready.insert(seq, Item::Done);
-                    } else {
-                        s.next_seq += 1;
+                    match &item {
+                        // `Done` stays: every later request gets it too.
+                        Item::Done => {
+                            s.ready.insert(seq, Item::Done);
+                        }
+                        Item::Batch(header) => {
+                            s.next_seq += 1;
+                            s.standing = Cursor {
+                                epoch: header.epoch,
+                                position: header.position as usize,
+                            };
+                        }
+                        Item::EndOfEpoch(epoch) => {
+                            s.next_seq += 1;
+                            s.standing = Cursor {
+                                epoch: epoch + 1,
+                                position: 0,
+                            };
+                        }
                     }
                     return Some(item);
                 }
@@ -151,9 +205,10 @@ impl BusyTurns {
 pub struct Pipeline {
     pub bucket: String,
     pub samples: Arc<Vec<SampleRef>>,
+    /// Seed, batch size, shuffle and drop_last of every stream; the shard is the stream's.
     pub plan: PlanConfig,
-    pub start_epoch: u64,
-    pub start_batch: u64,
+    /// Where a stream starts unless the trainer seeks (the flags' resume point).
+    pub start: Cursor,
     /// 0 = no limit.
     pub epochs: u64,
     pub transform: Transform,
@@ -170,6 +225,36 @@ pub struct Pipeline {
     pub delivery: Delivery,
     pub busy_turns: BusyTurns,
     pub metrics: Arc<SidecarMetrics>,
+    pub stream: Mutex<Stream>,
+}
+
+/// The stream of batches decoded for the trainer: for which rank, and the task that walks it.
+pub struct Stream {
+    pub shard: Shard,
+    generation: u64,
+    walker: Option<AbortHandle>,
+}
+
+impl Stream {
+    pub fn new(shard: Shard) -> Self {
+        Self {
+            shard,
+            generation: 0,
+            walker: None,
+        }
+    }
+}
+
+/// One batch to decode, and where it sits in the stream.
+struct Planned {
+    generation: u64,
+    seq: u64,
+    epoch: u64,
+    index: u64,
+    batch_id: u64,
+    /// The epoch's position once every rank has consumed this batch.
+    position: usize,
+    refs: Vec<SampleRef>,
 }
 
 /// A decoded batch, and where its pixels are.
@@ -203,7 +288,7 @@ impl CallFailure {
 
 impl Pipeline {
     pub fn batches_per_epoch(&self) -> u64 {
-        self.plan.batches_per_epoch(self.samples.len()) as u64
+        self.plan().batches_per_epoch(self.samples.len()) as u64
     }
 
     pub fn local_share(&self) -> f64 {
@@ -216,44 +301,108 @@ impl Pipeline {
         self.metrics.local_share.set(share);
     }
 
-    /// Walks the epochs from the start point; returns after the last epoch (never, by default).
-    pub async fn run(self: Arc<Self>) {
-        let mut seq = 0u64;
-        let mut epoch = self.start_epoch;
-        let mut first = self.start_batch as usize;
-        let bpe = self.batches_per_epoch();
-        loop {
-            if self.epochs > 0 && epoch >= self.epochs {
-                self.delivery.publish(seq, Item::Done);
-                return;
-            }
-            self.metrics.epoch.set(epoch as i64);
-            let plan = self.plan.epoch(self.samples.len(), epoch);
-            for (index, batch) in plan.batches.iter().enumerate().skip(first) {
-                // Waiting here is what keeps memory flat when the trainer stops consuming.
-                let lease = self.ring.acquire().await;
-                let refs: Vec<SampleRef> = batch.iter().map(|&i| self.samples[i].clone()).collect();
-                let id = epoch * bpe + index as u64;
-                self.metrics.inflight_batches.inc();
-                tokio::spawn(self.clone().fill(seq, epoch, index as u64, id, refs, lease));
-                seq += 1;
-            }
-            self.delivery.publish(seq, Item::EndOfEpoch(epoch));
-            seq += 1;
-            first = 0;
-            epoch += 1;
+    fn lock_stream(&self) -> std::sync::MutexGuard<'_, Stream> {
+        self.stream
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The rank this pipeline decodes for now.
+    pub fn shard(&self) -> Shard {
+        self.lock_stream().shard
+    }
+
+    /// The plan of the current stream's rank.
+    pub fn plan(&self) -> PlanConfig {
+        PlanConfig {
+            shard: self.shard(),
+            ..self.plan
         }
     }
 
-    async fn fill(
-        self: Arc<Self>,
-        seq: u64,
-        epoch: u64,
-        index: u64,
-        batch_id: u64,
-        refs: Vec<SampleRef>,
-        lease: SlotLease,
-    ) {
+    /// Starts the stream at the start point for the rank it was built for.
+    pub fn start(self: &Arc<Self>) -> Result<(), PlanError> {
+        self.restart(self.shard(), self.start).map(|_| ())
+    }
+
+    /// Replaces the stream: from `from`, for `shard`. Batches decoded for the old stream and not
+    /// handed out are dropped and their slots freed; batches still decoding are dropped when
+    /// they finish. Returns the batches left in `from`'s epoch for this rank.
+    pub fn restart(self: &Arc<Self>, shard: Shard, from: Cursor) -> Result<u64, PlanError> {
+        let plan = PlanConfig { shard, ..self.plan };
+        plan.validate(self.samples.len())?;
+        let mut stream = self.lock_stream();
+        if let Some(walker) = stream.walker.take() {
+            walker.abort();
+        }
+        stream.generation += 1;
+        stream.shard = shard;
+        for slot in self.delivery.reset(stream.generation, from) {
+            if let Err(err) = self.ring.release(slot) {
+                tracing::warn!(%err, "freeing a slot of the replaced stream");
+            }
+        }
+        let walk = tokio::spawn(self.clone().walk(stream.generation, plan, from));
+        stream.walker = Some(walk.abort_handle());
+        Ok(plan.plan_from(self.samples.len(), from).batches.len() as u64)
+    }
+
+    /// Walks the epochs from `from`; returns after the last epoch (never, by default).
+    async fn walk(self: Arc<Self>, generation: u64, plan: PlanConfig, from: Cursor) {
+        let samples = self.samples.len();
+        let batches_per_epoch = plan.batches_per_epoch(samples) as u64;
+        let mut seq = 0u64;
+        let mut cursor = from;
+        loop {
+            if self.epochs > 0 && cursor.epoch >= self.epochs {
+                let _ = self.delivery.publish(generation, seq, Item::Done);
+                return;
+            }
+            self.metrics.epoch.set(cursor.epoch as i64);
+            let epoch = plan.plan_from(samples, cursor);
+            for (j, batch) in epoch.batches.iter().enumerate() {
+                // Waiting here is what keeps memory flat when the trainer stops consuming.
+                let lease = self.ring.acquire().await;
+                let index = epoch.first_index + j as u64;
+                let planned = Planned {
+                    generation,
+                    seq,
+                    epoch: cursor.epoch,
+                    index,
+                    batch_id: cursor.epoch * batches_per_epoch + index,
+                    position: epoch.positions[j],
+                    refs: batch.iter().map(|&i| self.samples[i].clone()).collect(),
+                };
+                self.metrics.inflight_batches.inc();
+                tokio::spawn(self.clone().fill(planned, lease));
+                seq += 1;
+            }
+            let _ = self
+                .delivery
+                .publish(generation, seq, Item::EndOfEpoch(cursor.epoch));
+            seq += 1;
+            cursor = Cursor {
+                epoch: cursor.epoch + 1,
+                position: 0,
+            };
+        }
+    }
+
+    async fn fill(self: Arc<Self>, planned: Planned, lease: SlotLease) {
+        let Planned {
+            generation,
+            seq,
+            epoch,
+            index,
+            batch_id,
+            position,
+            refs,
+        } = planned;
+        if self.lock_stream().generation != generation {
+            // Replaced before its turn came: the lease frees the slot.
+            self.metrics.inflight_batches.dec();
+            return;
+        }
         let (decoded, mut lease) = self.decode(seq, batch_id, &refs, lease).await;
         let slot_bytes = self.ring.slot_bytes();
         let slot = lease.bytes_mut();
@@ -300,14 +449,24 @@ impl Pipeline {
             epoch,
             index,
             batch_id,
+            position: position as u64,
             dtype: "uint8".into(),
             samples,
             ready_ns: monotonic_ns(),
             route: decoded.route.into(),
         };
-        lease.publish();
+        let slot = lease.publish();
         self.metrics.inflight_batches.dec();
-        self.delivery.publish(seq, Item::Batch(header));
+        if self
+            .delivery
+            .publish(generation, seq, Item::Batch(header))
+            .is_err()
+        {
+            // The trainer moved the stream (seek, new rank) while this batch was decoding.
+            if let Err(err) = self.ring.release(slot) {
+                tracing::warn!(%err, "freeing a slot of the replaced stream");
+            }
+        }
         self.metrics
             .ready_batches
             .set(self.delivery.ready_batches() as i64);
@@ -597,12 +756,12 @@ mod tests {
     #[tokio::test]
     async fn delivery_reorders_by_sequence() {
         let d = Delivery::default();
-        d.publish(1, Item::EndOfEpoch(1));
+        d.publish(0, 1, Item::EndOfEpoch(1)).unwrap();
         assert!(
             d.next(Duration::from_millis(20)).await.is_none(),
             "seq 0 is missing"
         );
-        d.publish(0, Item::EndOfEpoch(0));
+        d.publish(0, 0, Item::EndOfEpoch(0)).unwrap();
         assert!(matches!(
             d.next(Duration::ZERO).await,
             Some(Item::EndOfEpoch(0))
@@ -611,11 +770,68 @@ mod tests {
             d.next(Duration::ZERO).await,
             Some(Item::EndOfEpoch(1))
         ));
-        d.publish(2, Item::Done);
+        d.publish(0, 2, Item::Done).unwrap();
         assert!(matches!(d.next(Duration::ZERO).await, Some(Item::Done)));
         assert!(
             matches!(d.next(Duration::ZERO).await, Some(Item::Done)),
             "done repeats"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_reset_drops_the_old_stream_and_starts_where_asked() {
+        let d = Delivery::default();
+        let header = |slot, position| {
+            Item::Batch(BatchHeader {
+                slot,
+                slot_offset: 0,
+                nbytes: 0,
+                epoch: 3,
+                index: 0,
+                batch_id: 0,
+                position,
+                dtype: "uint8".into(),
+                samples: Vec::new(),
+                ready_ns: 0,
+                route: "local".into(),
+            })
+        };
+        d.publish(0, 0, header(4, 8)).unwrap();
+        d.publish(0, 1, header(5, 16)).unwrap();
+        assert!(matches!(d.next(Duration::ZERO).await, Some(Item::Batch(_))));
+        assert_eq!(
+            d.standing(),
+            Cursor {
+                epoch: 3,
+                position: 8
+            }
+        );
+        let at = Cursor {
+            epoch: 3,
+            position: 4,
+        };
+        assert_eq!(
+            d.reset(1, at),
+            vec![5],
+            "the undelivered batch's slot comes back"
+        );
+        assert_eq!(d.standing(), at);
+        assert!(
+            d.publish(0, 2, header(6, 24)).is_err(),
+            "a batch of the old stream is refused"
+        );
+        assert!(d.next(Duration::from_millis(10)).await.is_none());
+        d.publish(1, 0, Item::EndOfEpoch(3)).unwrap();
+        assert!(matches!(
+            d.next(Duration::ZERO).await,
+            Some(Item::EndOfEpoch(3))
+        ));
+        assert_eq!(
+            d.standing(),
+            Cursor {
+                epoch: 4,
+                position: 0
+            }
         );
     }
 }

@@ -13,6 +13,14 @@
 //! - otherwise: the list is padded by repeating its start until it divides by the world size
 //!   (at most `world - 1` repeats, as `DistributedSampler` does); every sample is delivered,
 //!   and the last batch of each rank may be short.
+//!
+//! Resuming and elastic world sizes rest on one property of that deal: once every rank has
+//! consumed `c` samples of an epoch, the samples consumed are exactly the first `c × world`
+//! of the epoch's shuffled order. So a resume point is one number per epoch, the *position*
+//! (samples of the order consumed by all ranks together), and a plan can start from any
+//! position: the rest of the order is dealt the same way over the ranks there are now. With an
+//! unchanged world size this is the plan skipping its first batches; with a new one, every
+//! remaining sample is still delivered once (plus the padding above, without `drop_last`).
 
 /// Where a rank sits in the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,7 +70,20 @@ impl PlanError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EpochPlan {
     pub epoch: u64,
+    /// Index in the epoch of the first batch (non-zero when the plan starts mid-epoch).
+    pub first_index: u64,
     pub batches: Vec<Vec<usize>>,
+    /// For each batch, the epoch's position once every rank has consumed it: what a
+    /// checkpoint taken after that batch resumes from.
+    pub positions: Vec<usize>,
+}
+
+/// Where a stream stands: the next sample of `epoch`'s order to deliver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Cursor {
+    pub epoch: u64,
+    /// Samples of the epoch's shuffled order already consumed by all ranks together.
+    pub position: usize,
 }
 
 impl PlanConfig {
@@ -103,23 +124,43 @@ impl PlanConfig {
 
     /// The plan of `epoch` for this rank over a dataset of `samples` samples.
     pub fn epoch(&self, samples: usize, epoch: u64) -> EpochPlan {
+        self.plan_from(samples, Cursor { epoch, position: 0 })
+    }
+
+    /// The plan of the rest of `from.epoch` for this rank: the samples of the epoch's order
+    /// from `from.position` on, dealt over the current world size.
+    pub fn plan_from(&self, samples: usize, from: Cursor) -> EpochPlan {
         let world = self.shard.world_size.max(1) as usize;
         let rank = self.shard.rank as usize;
         let bs = self.batch_size.max(1);
         let mut order: Vec<usize> = (0..samples).collect();
         if self.shuffle {
-            shuffle(&mut order, mix(self.seed, epoch));
+            shuffle(&mut order, mix(self.seed, from.epoch));
         }
-        let per_rank = self.samples_per_rank(samples);
-        // Padding (no drop_last): repeat the start so the list divides by the world size.
+        let start = from.position.min(samples);
+        let rest = samples - start;
+        let per_rank = self.samples_per_rank(rest);
+        // Padding (no drop_last): repeat the epoch's first samples so the rest divides by the
+        // world size (the same repeats whether or not the plan resumed at this world size).
         let mine: Vec<usize> = (0..per_rank)
-            .map(|k| order[(rank + k * world) % samples.max(1)])
-            .filter(|_| samples > 0)
+            .map(|k| order[(start + rank + k * world) % samples])
+            .collect();
+        let batches: Vec<Vec<usize>> = mine.chunks(bs).map(<[usize]>::to_vec).collect();
+        let positions = (1..=batches.len())
+            .map(|j| start + (j * bs * world).min(rest))
             .collect();
         EpochPlan {
-            epoch,
-            batches: mine.chunks(bs).map(<[usize]>::to_vec).collect(),
+            epoch: from.epoch,
+            first_index: (start / (bs * world)) as u64,
+            batches,
+            positions,
         }
+    }
+
+    /// The position after the first `batches` batches of an epoch, at this world size.
+    pub fn position_after(&self, samples: usize, batches: u64) -> usize {
+        let step = self.batch_size.max(1) * self.shard.world_size.max(1) as usize;
+        (batches as usize).saturating_mul(step).min(samples)
     }
 }
 
@@ -239,6 +280,95 @@ mod tests {
         // Changing this order breaks the resumption of running jobs: update it only on purpose.
         let p = cfg(0, 1, 10, false).epoch(10, 0);
         assert_eq!(p.batches[0], vec![1, 7, 2, 5, 6, 4, 0, 9, 8, 3]);
+    }
+
+    /// The epoch's shuffled order, as one rank of a world of one sees it.
+    fn order(n: usize, epoch: u64) -> Vec<usize> {
+        cfg(0, 1, n, false).epoch(n, epoch).batches.concat()
+    }
+
+    /// Samples each rank delivers from `from` to the end of the epoch, with `world` ranks.
+    fn deliveries(n: usize, world: u32, bs: usize, drop_last: bool, from: Cursor) -> Vec<usize> {
+        (0..world)
+            .flat_map(|r| cfg(r, world, bs, drop_last).plan_from(n, from).batches)
+            .flatten()
+            .collect()
+    }
+
+    #[test]
+    fn a_resume_at_the_same_world_size_skips_exactly_the_consumed_batches() {
+        let (n, world, bs) = (101, 4, 5);
+        for rank in 0..world {
+            let c = cfg(rank, world, bs, false);
+            let full = c.epoch(n, 2);
+            for k in 0..full.batches.len() {
+                let position = if k == 0 { 0 } else { full.positions[k - 1] };
+                let from = Cursor { epoch: 2, position };
+                let resumed = c.plan_from(n, from);
+                assert_eq!(resumed.batches, full.batches[k..], "rank {rank} after {k}");
+                assert_eq!(resumed.first_index, k as u64);
+                assert_eq!(resumed.positions, full.positions[k..]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_new_world_size_delivers_the_rest_of_the_epoch_exactly_once() {
+        // 144 samples, batch 4, 4 ranks: 3 batches each are 48 samples; 96 remain for 3 ranks.
+        let (n, bs) = (144, 4);
+        let before: Vec<usize> = (0..4)
+            .flat_map(|r| cfg(r, 4, bs, false).epoch(n, 0).batches[..3].concat())
+            .collect();
+        let position = cfg(0, 4, bs, false).epoch(n, 0).positions[2];
+        assert_eq!(position, 48);
+        let after = deliveries(n, 3, bs, false, Cursor { epoch: 0, position });
+        let mut all: Vec<usize> = before.iter().chain(&after).copied().collect();
+        all.sort_unstable();
+        assert_eq!(
+            all,
+            (0..n).collect::<Vec<_>>(),
+            "every sample once over the epoch"
+        );
+        let counts: HashSet<usize> = (0..3)
+            .map(|r| {
+                cfg(r, 3, bs, false)
+                    .plan_from(n, Cursor { epoch: 0, position })
+                    .batches
+                    .len()
+            })
+            .collect();
+        assert_eq!(counts.len(), 1, "equal batch counts on the new ranks");
+    }
+
+    #[test]
+    fn a_remainder_that_does_not_divide_is_padded_below_the_world_size() {
+        let (n, bs) = (100, 4);
+        let from = Cursor {
+            epoch: 1,
+            position: 32,
+        };
+        let after = deliveries(n, 3, bs, false, from);
+        let rest: HashSet<usize> = order(n, 1)[32..].iter().copied().collect();
+        let delivered: HashSet<usize> = after.iter().copied().collect();
+        assert!(delivered.is_superset(&rest), "every remaining sample");
+        assert!(after.len() - rest.len() < 3, "padding below the world size");
+        let dropped = deliveries(n, 3, bs, true, from);
+        let distinct: HashSet<usize> = dropped.iter().copied().collect();
+        assert_eq!(distinct.len(), dropped.len(), "drop_last never repeats");
+    }
+
+    #[test]
+    fn a_resume_at_the_end_of_an_epoch_has_no_batches() {
+        let c = cfg(1, 2, 4, false);
+        let plan = c.plan_from(
+            10,
+            Cursor {
+                epoch: 0,
+                position: 10,
+            },
+        );
+        assert!(plan.batches.is_empty());
+        assert_eq!(c.position_after(10, 2), 10);
     }
 
     #[test]

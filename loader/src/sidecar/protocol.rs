@@ -1,16 +1,39 @@
 //! The hand-off protocol on the unix socket: one JSON object per line each way.
 //!
-//! Trainer → sidecar: `{"op":"hello"}`, `{"op":"next","timeout_ms":N}`,
-//! `{"op":"release","slot":S}` (no answer). Sidecar → trainer: `hello`, `batch`,
-//! `end_of_epoch`, `done`, `timeout`, `error` (see [`Reply`]). Pixels never cross the socket:
-//! a `batch` names the slot of the ring that holds them.
+//! Trainer → sidecar: `{"op":"hello","rank":R,"world_size":W}` (both optional),
+//! `{"op":"next","timeout_ms":N}`, `{"op":"release","slot":S}` (no answer),
+//! `{"op":"seek","epoch":E,"position":P,"seed":S,"batch_size":B,"samples":N}`.
+//! Sidecar → trainer: `hello`, `batch`, `end_of_epoch`, `done`, `timeout`, `seeked`, `error`
+//! (see [`Reply`]). Pixels never cross the socket: a `batch` names the slot of the ring that
+//! holds them.
+//!
+//! A resume point is (epoch, position): the samples of the epoch's order that all ranks
+//! together have consumed (see [`super::plan`]). Every `batch` carries the position after it,
+//! so the trainer's checkpoint holds the last one it trained on, and `seek` restarts the
+//! stream there, over the world size the trainer said in `hello`.
 
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
-    Hello,
+    /// The trainer's rank and world size (torchrun's `RANK`, `WORLD_SIZE`), when it knows them:
+    /// they replace the sidecar's own for this socket's stream.
+    Hello {
+        #[serde(default)]
+        rank: Option<u32>,
+        #[serde(default)]
+        world_size: Option<u32>,
+    },
+    /// Restart the stream at a checkpoint's resume point. Seed, batch size and sample count
+    /// must be the sidecar's: a checkpoint of another order cannot resume this one.
+    Seek {
+        epoch: u64,
+        position: u64,
+        seed: u64,
+        batch_size: u32,
+        samples: u64,
+    },
     Next {
         #[serde(default)]
         timeout_ms: Option<u64>,
@@ -45,6 +68,9 @@ pub struct BatchHeader {
     pub index: u64,
     /// epoch x batches_per_epoch + index: a step counter stable across restarts.
     pub batch_id: u64,
+    /// The epoch's position once every rank has consumed this batch: the resume point of a
+    /// checkpoint taken after it.
+    pub position: u64,
     pub dtype: String,
     pub samples: Vec<SampleHeader>,
     /// CLOCK_MONOTONIC nanoseconds when the batch was ready in the slot.
@@ -75,6 +101,14 @@ pub struct HelloInfo {
     pub batches_per_epoch: u64,
     pub start_epoch: u64,
     pub start_batch: u64,
+    /// Where the stream stands: the next batch is from this epoch, after this position.
+    pub epoch: u64,
+    pub position: u64,
+    /// Samples in the dataset, and the shuffle seed: a checkpoint names both.
+    pub samples: u64,
+    pub seed: u64,
+    /// crop, fit or qwenSmart (samples of different shapes).
+    pub resize: String,
     pub gpu: GpuInfo,
 }
 
@@ -88,6 +122,12 @@ pub enum Reply {
     },
     /// The configured number of epochs is over.
     Done,
+    /// The stream restarted at the resume point; `batches` are left in that epoch for this rank.
+    Seeked {
+        epoch: u64,
+        position: u64,
+        batches: u64,
+    },
     /// Nothing became ready within the request's timeout.
     Timeout,
     Error {
@@ -124,6 +164,19 @@ mod tests {
         );
         let r: Request = serde_json::from_str(r#"{"op":"next"}"#).unwrap();
         assert_eq!(r, Request::Next { timeout_ms: None });
+        let r: Request = serde_json::from_str(r#"{"op":"hello"}"#).unwrap();
+        assert_eq!(
+            r,
+            Request::Hello {
+                rank: None,
+                world_size: None
+            }
+        );
+        let r: Request = serde_json::from_str(
+            r#"{"op":"seek","epoch":1,"position":48,"seed":7,"batch_size":4,"samples":144}"#,
+        )
+        .unwrap();
+        assert!(matches!(r, Request::Seek { position: 48, .. }));
         let text = serde_json::to_string(&Reply::EndOfEpoch { epoch: 2 }).unwrap();
         assert_eq!(text, r#"{"type":"end_of_epoch","epoch":2}"#);
     }

@@ -7,6 +7,7 @@
 //! delivery, by index) → free (when the trainer releases it), so no two parties ever write the
 //! same slot.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -55,6 +56,10 @@ enum SlotState {
     Held,
 }
 
+/// Mode of the ring file and the trainer sockets: the sidecar's user and the pod's group (the
+/// fsGroup the webhook sets, which every container of the pod has), never other users.
+pub const SHARED_MODE: u32 = 0o660;
+
 pub struct ShmRing {
     path: PathBuf,
     map: MmapRaw,
@@ -101,6 +106,9 @@ impl ShmRing {
             .create(true)
             .truncate(true)
             .open(&path)
+            .map_err(create_err)?;
+        // Whatever the umask: the trainer reads the ring through the group it shares with us.
+        file.set_permissions(std::fs::Permissions::from_mode(SHARED_MODE))
             .map_err(create_err)?;
         // Sparse: pages of tmpfs are allocated when a batch is first written into them.
         file.set_len((slots * slot_bytes) as u64)

@@ -4,18 +4,19 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::discovery::{self, DnsWorkers, KubeWorkers, StaticWorkers, WorkerDiscovery};
 use super::fleet::{DecoderFleet, FleetPolicy};
 use super::metrics::SidecarMetrics;
-use super::pipeline::{BusyTurns, Delivery, Pipeline};
-use super::plan::{PlanConfig, Shard};
+use super::pipeline::{BusyTurns, Delivery, Pipeline, Stream};
+use super::plan::{Cursor, PlanConfig, Shard};
 use super::protocol::{GpuInfo, HelloInfo};
-use super::ring::ShmRing;
+use super::ring::{SHARED_MODE, ShmRing};
 use super::{SidecarArgs, SidecarError, handoff, http};
 use crate::decode::DecodeLimits;
 use crate::gpu::{self, GpuPlacement, GpuProbe};
@@ -147,7 +148,7 @@ pub(super) fn plan_epochs(args: &SidecarArgs, samples: usize) -> Result<EpochPla
             drop_last: args.drop_last,
             shuffle: !args.no_shuffle,
             shard: Shard {
-                rank: args.rank + i,
+                rank: args.first_rank() + i,
                 world_size: args.world_size,
             },
         })
@@ -330,7 +331,15 @@ pub(super) fn open_rings(
     for (i, plan) in plans.plans.iter().enumerate() {
         let local_rank = args.local_rank + i as u32;
         let ring = ShmRing::create(&args.shm_dir, local_rank, layout.slots, layout.slot_bytes)?;
-        let hello = hello_for(args, plan, &ring, plans.batches_per_epoch, &shared.gpu);
+        let samples = shared.dataset.samples.len();
+        let hello = hello_for(
+            args,
+            plan,
+            &ring,
+            plans.batches_per_epoch,
+            samples,
+            &shared.gpu,
+        );
         ranks.push(ServedRank {
             pipeline: pipeline_for(args, *plan, ring, shared),
             hello: Arc::new(hello),
@@ -351,8 +360,10 @@ fn pipeline_for(
         bucket: args.bucket.clone(),
         samples: shared.dataset.samples.clone(),
         plan,
-        start_epoch: args.start_epoch,
-        start_batch: args.start_batch,
+        start: Cursor {
+            epoch: args.start_epoch,
+            position: plan.position_after(shared.dataset.samples.len(), args.start_batch),
+        },
         epochs: args.epochs,
         transform: shared.transform,
         limits: DecodeLimits {
@@ -368,6 +379,7 @@ fn pipeline_for(
         delivery: Delivery::default(),
         busy_turns: BusyTurns::default(),
         metrics: shared.metrics.clone(),
+        stream: Mutex::new(Stream::new(plan.shard)),
     });
     pipeline.set_local_share(shared.workers.local_share);
     pipeline
@@ -379,6 +391,7 @@ fn hello_for(
     plan: &PlanConfig,
     ring: &ShmRing,
     batches_per_epoch: u64,
+    samples: usize,
     gpu: &GpuInfo,
 ) -> HelloInfo {
     HelloInfo {
@@ -391,6 +404,11 @@ fn hello_for(
         batches_per_epoch,
         start_epoch: args.start_epoch,
         start_batch: args.start_batch,
+        epoch: args.start_epoch,
+        position: 0,
+        samples: samples as u64,
+        seed: args.seed,
+        resize: args.transform.resize.as_str().to_string(),
         gpu: gpu.clone(),
     }
 }
@@ -467,15 +485,18 @@ pub(super) fn serve_trainers(
 ) -> Result<Vec<impl Future<Output = ()> + use<>>, SidecarError> {
     let mut serving = Vec::with_capacity(ranks.len());
     for rank in ranks {
-        tokio::spawn(rank.pipeline.clone().run());
+        rank.pipeline.start()?;
         // A socket file left by a previous run of this sidecar would make bind fail.
         let _ = std::fs::remove_file(&rank.socket);
-        let listener =
-            tokio::net::UnixListener::bind(&rank.socket).map_err(|source| SidecarError::Bind {
-                what: "unix socket",
-                addr: rank.socket.display().to_string(),
-                source,
-            })?;
+        let bind_err = |source| SidecarError::Bind {
+            what: "unix socket",
+            addr: rank.socket.display().to_string(),
+            source,
+        };
+        let listener = tokio::net::UnixListener::bind(&rank.socket).map_err(bind_err)?;
+        // The trainer may run as another user: it shares the pod's fsGroup with us.
+        std::fs::set_permissions(&rank.socket, std::fs::Permissions::from_mode(SHARED_MODE))
+            .map_err(bind_err)?;
         serving.push(handoff::serve(
             listener,
             rank.pipeline.clone(),
@@ -509,7 +530,7 @@ pub(super) fn announce(
         rings.join(","),
     );
     tracing::info!(
-        rank = args.rank,
+        rank = args.first_rank(),
         local_ranks = plans.plans.len() as u32,
         world_size = args.world_size,
         batches_per_epoch = plans.batches_per_epoch,
