@@ -40,8 +40,9 @@ fn pod_labels(pipeline: &str, pod: &str, role: &str) -> String {
     operator_support::exporter::pod_labels(NS, pipeline, pod, role)
 }
 
-/// What the exporter serves: two trainers, two decoders of the pipeline, one decoder of another
-/// pipeline that must not count, and two nodes' NICs plus a loopback that must not count.
+/// What the exporter serves: two trainers (trainer-0's sidecar serving ranks 0 and 1, trainer-1
+/// rank 2, stuck waiting), two decoders of the pipeline, one decoder of another pipeline that
+/// must not count, and two nodes' NICs plus a loopback that must not count.
 fn exposition() -> (Vec<Series>, Vec<(&'static str, String, f64)>) {
     let t0 = pod_labels(PIPELINE, "trainer-0", "trainer");
     let t1 = pod_labels(PIPELINE, "trainer-1", "trainer");
@@ -49,8 +50,21 @@ fn exposition() -> (Vec<Series>, Vec<(&'static str, String, f64)>) {
     let b = pod_labels(PIPELINE, "decoder-b", "decoder");
     let other = pod_labels("other", "decoder-x", "decoder");
     let counters = vec![
-        series("stoker_trainer_data_wait_seconds_total", &t0, 0.2),
-        series("stoker_trainer_data_wait_seconds_total", &t1, 0.3),
+        series(
+            "stoker_trainer_data_wait_seconds_total",
+            &format!(r#"{t0},rank="0""#),
+            0.2,
+        ),
+        series(
+            "stoker_trainer_data_wait_seconds_total",
+            &format!(r#"{t0},rank="1""#),
+            0.3,
+        ),
+        series(
+            "stoker_trainer_data_wait_seconds_total",
+            &format!(r#"{t1},rank="2""#),
+            1.0,
+        ),
         series("stoker_sidecar_samples_delivered_total", &t0, 100.0),
         series("stoker_sidecar_samples_delivered_total", &t1, 140.0),
         series("stoker_loader_samples_out_total", &a, 60.0),
@@ -207,15 +221,22 @@ async fn signals_from_a_real_prometheus() {
 
     close(
         signals.data_wait_share,
-        0.25,
-        "data wait (mean of 20% and 30%)",
+        0.3,
+        "data wait (ranks at 20%, 30% and 100%: the single worst set aside)",
     );
     close(
         signals.consumption_per_second,
         240.0,
         "consumption (100 + 140)",
     );
-    assert_eq!(signals.trainers_reporting, Some(2));
+    assert_eq!(signals.trainers_reporting, Some(3), "ranks reporting");
+    // The README's dashboard expression reads what the operator decides on.
+    let dashboard = scraped
+        .value(&format!(
+            r#"bottomk by (namespace, pipeline) (1, topk by (namespace, pipeline) (2, rate(stoker_trainer_data_wait_seconds_total{{namespace="{NS}",pipeline="{PIPELINE}"}}[5s])))"#
+        ))
+        .await;
+    close(dashboard, 0.3, "the README's dashboard data wait");
     assert_eq!(
         signals.gpu_utilization_percent, None,
         "no dcgm-exporter: absent, no error"
@@ -272,8 +293,8 @@ async fn signals_from_a_real_prometheus() {
         "no speed series: the annotation or default applies"
     );
 
-    // The signals drive a decision: data wait 25% > 5%, demand 240 ÷ 0.75 = 320/s, 140 samples/s
-    // over 1.25 busy decoders = 112/s each: 320 × 1.2 ÷ 112 → 4 decoders. cpu-1 sends 64% of its
+    // The signals drive a decision: data wait 30% > 5%, demand 240 ÷ 0.7 = 343/s, 140 samples/s
+    // over 1.25 busy decoders = 112/s each: 343 × 1.2 ÷ 112 → 4 decoders. cpu-1 sends 64% of its
     // link: under the 80% limit, nothing is moved; cpu-9, at 90%, takes no new decoder.
     let fleet = DecoderFleet {
         replicas: 2,

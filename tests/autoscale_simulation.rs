@@ -3,13 +3,15 @@
 //! S3 request limit, and a Prometheus that answers rates over a window, late and noisy
 //! (seeded). Deterministic: one second per tick, one decision every 30 seconds. The same
 //! scenarios also run under a model of Kubernetes' HPA on the decoders' CPU, for comparison.
+//! Trainers are ranks of one synchronous job: each rank reports its own data wait, and the
+//! autoscaler reads them as Prometheus would answer its per-rank query.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
 use stoker_operator::autoscale::policy::{Learned, ObservedSummary};
-use stoker_operator::autoscale::signals::gbps_to_bytes_per_second;
+use stoker_operator::autoscale::signals::{gating_data_wait, gbps_to_bytes_per_second};
 use stoker_operator::autoscale::{
     Autoscaler, AutoscalingPolicy, DecoderFleet, DecoderSignal, NodeNetwork, ScaleConditions,
     ScaleDecision, Signals,
@@ -24,6 +26,7 @@ const PERIOD: u64 = 30;
 /// Scrape interval plus evaluation: the newest sample a query sees.
 const DELAY: u64 = 10;
 const STARTUP: u64 = 10;
+/// The first trainer node; the others are gpu-2, gpu-3, ….
 const TRAINER_NODE: &str = "gpu-1";
 const HPA_SYNC: u64 = 15;
 const HPA_TARGET_UTILIZATION: f64 = 0.8;
@@ -58,12 +61,61 @@ struct Decoder {
     ready_at: u64,
 }
 
+/// How the per-rank data waits become the one signal the policy reads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RankAggregate {
+    /// What stoker does: [`gating_data_wait`], the highest once the worst rank is set aside.
+    Stoker,
+    /// `avg(rate(…))`, the query stoker used before.
+    Mean,
+    /// `quantile(0.9, rate(…))`.
+    Quantile90,
+    /// `max(rate(…))`.
+    Max,
+}
+
+impl RankAggregate {
+    const ALL: [RankAggregate; 4] = [Self::Stoker, Self::Mean, Self::Quantile90, Self::Max];
+
+    fn of(self, waits: &[f64]) -> Option<f64> {
+        if waits.is_empty() {
+            return None;
+        }
+        let mut sorted = waits.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        Some(match self {
+            Self::Stoker => return gating_data_wait(waits.iter().copied()),
+            Self::Mean => waits.iter().sum::<f64>() / waits.len() as f64,
+            // PromQL's quantile: linear between the two nearest ranks.
+            Self::Quantile90 => {
+                let at = 0.9 * (sorted.len() - 1) as f64;
+                let (low, weight) = (at.floor() as usize, at.fract());
+                let high = (low + 1).min(sorted.len() - 1);
+                sorted[low] * (1.0 - weight) + sorted[high] * weight
+            }
+            Self::Max => sorted[sorted.len() - 1],
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Stoker => "stoker (2nd highest)",
+            Self::Mean => "avg",
+            Self::Quantile90 => "quantile(0.9)",
+            Self::Max => "max",
+        }
+    }
+}
+
 /// What the cluster did in one second.
 #[derive(Clone, Debug, Default)]
 struct Tick {
     demand: f64,
     consumption: f64,
+    /// The wait of the rank that gates the step: every GPU idles this share of the second.
     wait: f64,
+    /// Each rank's data wait. The others idle the same time in the all-reduce, not in `next`.
+    rank_waits: Vec<f64>,
     /// Pod → (samples handled, busy share).
     pods: BTreeMap<String, (f64, f64)>,
     /// Node → (receive, transmit) bytes.
@@ -74,7 +126,17 @@ struct Tick {
 
 struct World {
     t: u64,
+    /// Ranks, spread evenly over `trainer_nodes` nodes.
     trainers: u32,
+    trainer_nodes: u32,
+    /// The ranks that get their batches last and so wait out any shortfall: the last node's
+    /// when its NIC or its path to the decoders is slower. `None`: every rank alike.
+    starving_ranks: Option<u32>,
+    /// Ranks that report waiting the whole time and consume nothing (a wedged sidecar, a
+    /// restarting trainer process).
+    stuck_ranks: u32,
+    /// How the autoscaler's query combines the ranks' waits.
+    rank_aggregate: RankAggregate,
     /// Unstarved samples per second of one trainer: batch size ÷ step time.
     per_trainer: f64,
     /// CPU node → link bytes per second.
@@ -94,6 +156,10 @@ impl World {
         let mut w = Self {
             t: 0,
             trainers,
+            trainer_nodes: 1,
+            starving_ranks: None,
+            stuck_ranks: 0,
+            rank_aggregate: RankAggregate::Stoker,
             per_trainer: batch / step_seconds,
             cpu_nodes: (0..4)
                 .map(|i| (format!("cpu-{i}"), gbps_to_bytes_per_second(25.0)))
@@ -116,7 +182,36 @@ impl World {
     }
 
     fn demand(&self) -> f64 {
-        f64::from(self.trainers) * self.per_trainer
+        f64::from(self.trainers.saturating_sub(self.stuck_ranks)) * self.per_trainer
+    }
+
+    /// Trainer node → its ranks.
+    fn trainer_nodes(&self) -> BTreeMap<String, u32> {
+        let nodes = self.trainer_nodes.max(1);
+        (0..nodes)
+            .map(|i| {
+                let ranks = self.trainers / nodes + u32::from(i < self.trainers % nodes);
+                (format!("gpu-{}", i + 1), ranks)
+            })
+            .collect()
+    }
+
+    /// Each rank's data wait when the gating rank waits `wait`.
+    fn rank_waits(&self, wait: f64) -> Vec<f64> {
+        let starving_from = self
+            .trainers
+            .saturating_sub(self.starving_ranks.unwrap_or(self.trainers));
+        (0..self.trainers)
+            .map(|rank| {
+                if rank < self.stuck_ranks {
+                    1.0
+                } else if rank >= starving_from {
+                    wait
+                } else {
+                    0.0
+                }
+            })
+            .collect()
     }
 
     fn add_decoder(&mut self, avoid: &[String], ready_at: u64) {
@@ -221,14 +316,16 @@ impl World {
         let consumption = demand.min(by_decoders).min(by_nic);
         let delivered = consumption * (1.0 - s);
 
+        let wait = if demand > 0.0 {
+            1.0 - consumption / demand
+        } else {
+            0.0
+        };
         let mut tick = Tick {
             demand,
             consumption,
-            wait: if demand > 0.0 {
-                1.0 - consumption / demand
-            } else {
-                0.0
-            },
+            wait,
+            rank_waits: self.rank_waits(wait),
             s3_requests: delivered + throttles,
             s3_throttles: throttles,
             ..Tick::default()
@@ -248,10 +345,11 @@ impl World {
         for n in self.cpu_nodes.keys() {
             tick.nics.entry(n.clone()).or_default();
         }
-        tick.nics.insert(
-            TRAINER_NODE.to_string(),
-            (delivered * DECODED + consumption * s * ENCODED, 0.0),
-        );
+        let received = delivered * DECODED + consumption * s * ENCODED;
+        for (node, ranks) in self.trainer_nodes() {
+            let share = f64::from(ranks) / f64::from(self.trainers.max(1));
+            tick.nics.insert(node, (received * share, 0.0));
+        }
         self.ticks.push(tick);
         self.t += 1;
     }
@@ -263,7 +361,18 @@ impl World {
         let span = &self.ticks[start.min(self.ticks.len())..end.min(self.ticks.len())];
         let n = span.len().max(1) as f64;
         let mean = |f: &dyn Fn(&Tick) -> f64| span.iter().map(f).sum::<f64>() / n;
-        let wait = mean(&|t| t.wait);
+        // One rate per rank over the window, as `rate(…)` answers per series.
+        let mut ranks: Vec<(f64, f64)> = Vec::new();
+        for t in span {
+            if ranks.len() < t.rank_waits.len() {
+                ranks.resize(t.rank_waits.len(), (0.0, 0.0));
+            }
+            for (r, w) in ranks.iter_mut().zip(&t.rank_waits) {
+                *r = (r.0 + w, r.1 + 1.0);
+            }
+        }
+        let rank_waits: Vec<f64> = ranks.iter().map(|(sum, n)| sum / n).collect();
+        let wait = self.rank_aggregate.of(&rank_waits).unwrap_or(0.0);
         let consumption = mean(&|t| t.consumption);
         let requests = mean(&|t| t.s3_requests);
         let throttles = mean(&|t| t.s3_throttles);
@@ -296,7 +405,7 @@ impl World {
         let nodes: BTreeMap<String, NodeNetwork> = nics
             .into_iter()
             .map(|(node, (rx, tx))| {
-                let link = if node == TRAINER_NODE {
+                let link = if node.starts_with("gpu-") {
                     self.trainer_link
                 } else {
                     self.cpu_nodes.get(&node).copied().unwrap_or(0.0)
@@ -313,7 +422,7 @@ impl World {
             data_wait_share: Some((wait * noise.factor()).clamp(0.0, 1.0)),
             consumption_per_second: Some(consumption * noise.factor()),
             trainers_reporting: Some(self.trainers),
-            gpu_utilization_percent: Some((1.0 - wait) * 100.0 * noise.factor()),
+            gpu_utilization_percent: Some((1.0 - mean(&|t| t.wait)) * 100.0 * noise.factor()),
             decoders,
             nodes,
             s3_throttles_per_second: Some(throttles * noise.factor()),
@@ -332,7 +441,7 @@ impl World {
                 .map(|d| (d.name.clone(), d.node.clone()))
                 .collect(),
             trainers: self.trainers,
-            trainer_nodes: BTreeMap::from([(TRAINER_NODE.to_string(), self.trainers)]),
+            trainer_nodes: self.trainer_nodes(),
             node_link_bytes_per_second: BTreeMap::new(),
         }
     }
@@ -665,6 +774,21 @@ impl Run {
             .unwrap_or(0)
     }
 
+    /// Share of the time the GPUs computed over [from, end): 1 − the gating rank's wait.
+    fn gpu_busy_from(&self, from: u64) -> f64 {
+        1.0 - self.world.wait_between(from, self.world.ticks.len() as u64)
+    }
+
+    /// The data wait the first and the last decision read (`status.observed.dataWaitPercent`),
+    /// as shares.
+    fn read_waits(&self) -> (f64, f64) {
+        let read = |d: Option<&(u64, ScaleDecision)>| {
+            d.and_then(|(_, d)| d.observed.data_wait_percent)
+                .map_or(0.0, |p| p / 100.0)
+        };
+        (read(self.decisions.first()), read(self.decisions.last()))
+    }
+
     /// "starved → fed" time, decisions, max decoders.
     fn summary(&self) -> String {
         let recovery = match (self.starved_at(), self.fed_from()) {
@@ -798,6 +922,65 @@ mod scenario {
                     w.trainers = 8;
                 }
             },
+            feedable: true,
+        }
+    }
+
+    /// 16 ranks on two nodes want 2,720 samples/s; 12 decoders give 2,520/s. gpu-2's 8 ranks
+    /// get their batches last and wait 7.4% of each step; gpu-1's wait as long in the
+    /// all-reduce, which is no data wait: the mean of the ranks reads 3.7%.
+    pub(super) fn starving_node() -> Scenario {
+        let mut world = World::new(16, 34.0, 0.2, 12);
+        world.trainer_nodes = 2;
+        world.starving_ranks = Some(8);
+        Scenario {
+            name: "1 of 2 nodes starving",
+            world,
+            seconds: 900,
+            event: |_, _| {},
+            feedable: true,
+        }
+    }
+
+    /// 128 ranks on 16 nodes want 2,720 samples/s (a batch of 34 every 1.6 s); 6 decoders give
+    /// 1,260/s and gpu-16's 8 ranks wait 54%: every GPU computes 46% of the time.
+    pub(super) fn starving_node_of_sixteen() -> Scenario {
+        let mut world = World::new(128, 34.0, 1.6, 6);
+        world.trainer_nodes = 16;
+        world.starving_ranks = Some(8);
+        Scenario {
+            name: "1 of 16 nodes starving",
+            world,
+            seconds: 900,
+            event: |_, _| {},
+            feedable: true,
+        }
+    }
+
+    /// 16 ranks fed by 15 decoders (15 × 170/s × 1.2 ÷ 210 → 15); rank 0's trainer is
+    /// restarting and its sidecar counts a `next` that never returns: 100% data wait.
+    pub(super) fn stuck_rank() -> Scenario {
+        let mut world = World::new(16, 34.0, 0.2, 15);
+        world.trainer_nodes = 2;
+        world.stuck_ranks = 1;
+        Scenario {
+            name: "1 of 16 ranks stuck",
+            world,
+            seconds: 900,
+            event: |_, _| {},
+            feedable: true,
+        }
+    }
+
+    /// The same on one node of 8 ranks (7 × 170/s × 1.2 ÷ 210 → 7 decoders).
+    pub(super) fn stuck_rank_of_eight() -> Scenario {
+        let mut world = World::new(8, 34.0, 0.2, 7);
+        world.stuck_ranks = 1;
+        Scenario {
+            name: "1 of 8 ranks stuck",
+            world,
+            seconds: 900,
+            event: |_, _| {},
             feedable: true,
         }
     }
@@ -991,6 +1174,126 @@ fn a_decoder_node_nic_that_starves_the_trainers() {
             "moves at {moves:?}"
         );
     }
+}
+
+/// `scenario` with the ranks' waits combined by `aggregate`, under stoker's policy.
+fn run_with(aggregate: RankAggregate, scenario: fn() -> Scenario) -> Run {
+    let mut s = scenario();
+    s.world.rank_aggregate = aggregate;
+    run(Controller::Stoker, s)
+}
+
+#[test]
+fn a_starving_node_is_fed_where_the_mean_of_the_ranks_hides_it() {
+    let mean = run_with(RankAggregate::Mean, scenario::starving_node);
+    // The mean reads 3.7%, under the 5% target: 12 decoders stay, and every GPU idles while
+    // gpu-2's ranks wait (a 0.2 s step takes 0.216 s).
+    assert!(
+        (mean.read_waits().1 - 0.037).abs() < 0.001,
+        "{}",
+        mean.read_waits().1
+    );
+    assert_eq!(mean.replicas_at(900), 12, "{:?}", mean.trace());
+    let busy = mean.gpu_busy_from(300);
+    assert!((busy - 0.926).abs() < 0.001, "GPUs busy {busy}");
+
+    let stoker = run_with(RankAggregate::Stoker, scenario::starving_node);
+    stoker.assert_sound(0.0);
+    let (_, first) = &stoker.decisions[0];
+    assert!(first.conditions.starved, "{}", first.reason);
+    assert!(
+        (stoker.read_waits().0 - 0.074).abs() < 0.001,
+        "{}",
+        first.reason
+    );
+    assert_eq!(first.replicas, 16, "{}", first.reason);
+    stoker.assert_fed_after(0, 900);
+    assert_eq!(stoker.replicas_at(900), 16, "{:?}", stoker.trace());
+    assert!(stoker.gpu_busy_from(300) > 0.999);
+    // The max decides the same here: the starved node's ranks all wait alike.
+    let max = run_with(RankAggregate::Max, scenario::starving_node);
+    assert_eq!(max.replicas_at(900), 16, "{:?}", max.trace());
+}
+
+#[test]
+fn a_starving_node_among_sixteen_is_fed() {
+    let stoker = run_with(RankAggregate::Stoker, scenario::starving_node_of_sixteen);
+    stoker.assert_sound(0.0);
+    stoker.assert_fed_after(0, 900);
+    assert_eq!(stoker.replicas_at(900), 16, "{:?}", stoker.trace());
+    // 8 of 128 ranks: the mean reads 3.4% and a 0.9 quantile 0%; both keep 6 decoders and the
+    // GPUs compute 46% of the time.
+    for (aggregate, read) in [
+        (RankAggregate::Mean, 0.034),
+        (RankAggregate::Quantile90, 0.0),
+    ] {
+        let r = run_with(aggregate, scenario::starving_node_of_sixteen);
+        let first = r.read_waits().0;
+        assert!((first - read).abs() < 0.001, "{aggregate:?} reads {first}");
+        assert_eq!(r.replicas_at(900), 6, "{aggregate:?}: {:?}", r.trace());
+        let busy = r.gpu_busy_from(300);
+        assert!(busy < 0.47, "{aggregate:?}: GPUs busy {busy}");
+    }
+}
+
+#[test]
+fn one_stuck_rank_does_not_scale_the_fleet() {
+    let stoker = run_with(RankAggregate::Stoker, scenario::stuck_rank);
+    stoker.assert_sound(0.0);
+    assert!(
+        stoker.decisions.iter().all(|(_, d)| d.replicas == 15),
+        "{:?}",
+        stoker.trace()
+    );
+    assert!(stoker.read_waits().1 < 0.01, "{}", stoker.read_waits().1);
+    assert!(stoker.gpu_busy_from(0) > 0.999);
+    // The max reads 100% and adds decoders that nothing can use, up to maxReplicas.
+    let max = run_with(RankAggregate::Max, scenario::stuck_rank);
+    assert_eq!(
+        max.replicas_at(900),
+        max.policy.max_replicas,
+        "{:?}",
+        max.trace()
+    );
+
+    let stoker = run_with(RankAggregate::Stoker, scenario::stuck_rank_of_eight);
+    stoker.assert_sound(0.0);
+    assert_eq!(stoker.max_decoders(), 7, "{:?}", stoker.trace());
+    // Of 8 ranks a 0.9 quantile takes 30% of the stuck one's wait: 7 → 10 decoders.
+    let q = run_with(RankAggregate::Quantile90, scenario::stuck_rank_of_eight);
+    assert_eq!(q.replicas_at(900), 10, "{:?}", q.trace());
+}
+
+/// The rank scenarios under each way of combining the ranks' waits; prints the table the
+/// README quotes (`-- --nocapture`).
+#[test]
+fn rank_aggregates_side_by_side() {
+    let scenarios: [fn() -> Scenario; 4] = [
+        scenario::starving_node,
+        scenario::starving_node_of_sixteen,
+        scenario::stuck_rank,
+        scenario::stuck_rank_of_eight,
+    ];
+    let mut table = vec![
+        "| scenario | data wait signal | read first | decoders | GPUs busy, last 10 min |"
+            .to_string(),
+        "|---|---|---:|---:|---:|".to_string(),
+    ];
+    for scenario in scenarios {
+        for aggregate in RankAggregate::ALL {
+            let r = run_with(aggregate, scenario);
+            let from = r.decisions.first().map_or(0, |(_, d)| d.from);
+            table.push(format!(
+                "| {} | {} | {:.1}% | {from} → {} | {:.1}% |",
+                r.name,
+                aggregate.name(),
+                r.read_waits().0 * 100.0,
+                r.replicas_at(900),
+                r.gpu_busy_from(300) * 100.0
+            ));
+        }
+    }
+    println!("{}", table.join("\n"));
 }
 
 /// Every scenario under stoker and under the HPA a user would otherwise configure; prints the

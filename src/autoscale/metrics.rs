@@ -85,7 +85,7 @@ impl AutoscalerMetrics {
         );
         r.register(
             "data_wait_percent",
-            "Share of wall time the trainers waited for data, as read",
+            "Share of wall time the trainers waited for data, as read: the second most starved rank's, so that one stuck rank does not count",
             m.data_wait.clone(),
         );
         r.register(

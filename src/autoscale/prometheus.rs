@@ -12,6 +12,7 @@
 //!   past the limit, not only the pipeline's; `node=~"{nodes}"` narrows them on big clusters.
 //!
 //! Queries that return one value per pod are keyed by `pod_label`, per node by `node_label`.
+//! `data_wait` returns one value per trainer rank, reduced here to the rank that gates the step.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -19,7 +20,7 @@ use std::time::Duration;
 use prometheus_http_query::Client;
 use prometheus_http_query::response::Data;
 
-use super::signals::{DecoderSignal, NodeNetwork, Signals};
+use super::signals::{DecoderSignal, NodeNetwork, Signals, gating_data_wait};
 
 /// The PromQL the autoscaler sends. Defaults match the loader's metric names
 /// (`loader/src/metrics.rs`, `loader/src/sidecar/metrics.rs`), node-exporter and dcgm-exporter.
@@ -28,11 +29,13 @@ use super::signals::{DecoderSignal, NodeNetwork, Signals};
 #[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(default, rename_all = "camelCase")]
 pub struct QueryTemplates {
-    /// Mean share of wall time the trainers waited for data: seconds waited per second.
+    /// Per trainer rank (the sidecar's `rank` label, per pod): share of wall time it waited for
+    /// data, seconds waited per second. [`gating_data_wait`] makes the one signal of them; a
+    /// template that returns one series is taken as it is.
     pub data_wait: String,
     /// Samples per second the sidecars delivered to trainers, summed.
     pub consumption: String,
-    /// Number of sidecars reporting.
+    /// Number of trainer ranks reporting.
     pub trainers_reporting: String,
     /// Mean GPU utilization (percent) of the trainer pods; empty when dcgm-exporter is absent.
     pub gpu_utilization: String,
@@ -68,7 +71,7 @@ impl Default for QueryTemplates {
         let sidecar = r#"namespace="{namespace}",pipeline="{pipeline}""#;
         let decoder = r#"namespace="{namespace}",pipeline="{pipeline}",role="decoder""#;
         Self {
-            data_wait: format!("avg(rate(stoker_trainer_data_wait_seconds_total{{{sidecar}}}[{{window}}]))"),
+            data_wait: format!("rate(stoker_trainer_data_wait_seconds_total{{{sidecar}}}[{{window}}])"),
             consumption: format!("sum(rate(stoker_sidecar_samples_delivered_total{{{sidecar}}}[{{window}}]))"),
             trainers_reporting: format!("count(rate(stoker_trainer_data_wait_seconds_total{{{sidecar}}}[{{window}}]))"),
             gpu_utilization: r#"avg(avg_over_time(DCGM_FI_DEV_GPU_UTIL{namespace="{namespace}",pod=~"{trainer_pods}"}[{window}]))"#.to_string(),
@@ -234,7 +237,8 @@ impl PrometheusSignals {
             }
         }
         Ok(Signals {
-            data_wait_share: scalar(&data_wait).map(|w| w.clamp(0.0, 1.0)),
+            data_wait_share: gating_data_wait(data_wait.iter().map(|(_, w)| *w))
+                .map(|w| w.clamp(0.0, 1.0)),
             consumption_per_second: scalar(&consumption),
             trainers_reporting: scalar(&trainers).map(|n| n.round().max(0.0) as u32),
             gpu_utilization_percent: scalar(&gpu),
@@ -357,7 +361,7 @@ mod tests {
         let t = QueryTemplates::default();
         assert_eq!(
             render(&t.data_wait, &scope()),
-            r#"avg(rate(stoker_trainer_data_wait_seconds_total{namespace="training",pipeline="qwen3vl"}[90s]))"#
+            r#"rate(stoker_trainer_data_wait_seconds_total{namespace="training",pipeline="qwen3vl"}[90s])"#
         );
         assert_eq!(
             render(&t.node_receive, &scope()),
