@@ -7,11 +7,13 @@ use std::time::Duration;
 
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use operator_support::*;
 use serde_json::json;
 use stoker_operator::api::DataPipeline;
+use stoker_operator::build::sidecar::quantity_bytes;
 use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
 use stoker_testenv::cluster::ControlPlane;
@@ -152,9 +154,10 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
     );
     let env = spec.containers[0].env.clone().expect("env");
     assert!(
-        env.iter().any(|e| e.name == "STOKER_SOCKET"
-            && e.value.as_deref() == Some("/dev/shm/stoker/stoker.sock"))
+        env.iter()
+            .any(|e| e.name == "STOKER_SHM_DIR" && e.value.as_deref() == Some("/dev/shm/stoker"))
     );
+    assert!(env.iter().all(|e| e.name != "STOKER_SOCKET"));
     assert_eq!(
         created.labels().get("stoker.dev/role").map(String::as_str),
         Some("trainer")
@@ -186,7 +189,7 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
     );
     assert_eq!(count(s.volumes.as_ref(), |v| v.name == "stoker-shm"), 1);
     assert_eq!(
-        count(s.containers[0].env.as_ref(), |e| e.name == "STOKER_SOCKET"),
+        count(s.containers[0].env.as_ref(), |e| e.name == "STOKER_SHM_DIR"),
         1
     );
     assert_eq!(
@@ -246,10 +249,111 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
         "trainer changes restarted decoders"
     );
 
+    // A torchrun pod of 8 processes: a ring and a socket for each, in a group they share.
+    let torchrun = pods
+        .create(
+            &PostParams::default(),
+            &torchrun_trainer("torchrun-0", "vision"),
+        )
+        .await
+        .expect("create torchrun pod");
+    assert_serves_eight_local_ranks(&torchrun);
+    let message = match pods
+        .create(&PostParams::default(), &{
+            let mut p = torchrun_trainer("unreadable", "vision");
+            p.annotations_mut()
+                .insert("stoker.dev/local-ranks".into(), "eight".into());
+            p
+        })
+        .await
+    {
+        Err(kube::Error::Api(s)) => s.message.clone(),
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    assert!(
+        message.contains("the annotation stoker.dev/local-ranks is \"eight\""),
+        "{message}"
+    );
+
     op.stop().await;
     mwcs.delete(&mwc_name, &DeleteParams::default())
         .await
         .expect("delete mwc");
+}
+
+/// `torchrun --nproc-per-node 8` on a node's 8 GPUs, as a non-root user.
+fn torchrun_trainer(name: &str, pipeline: &str) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"stoker.dev/pipeline": pipeline}},
+        "spec": {
+            "securityContext": {"runAsUser": 1000, "runAsNonRoot": true},
+            "containers": [{
+                "name": "trainer", "image": "registry.invalid/trainer:1",
+                "command": ["torchrun", "--nproc-per-node", "8", "train.py"],
+                "resources": {"limits": {"nvidia.com/gpu": "8"}}
+            }],
+            "nodeSelector": {"stoker.dev/pool": "gpu"}
+        }
+    }))
+    .expect("pod")
+}
+
+/// What the API server stored for [`torchrun_trainer`] after the webhook.
+fn assert_serves_eight_local_ranks(pod: &Pod) {
+    let spec = pod.spec.as_ref().expect("spec");
+    let sidecar = &spec.init_containers.as_ref().expect("init containers")[0];
+    assert_eq!(sidecar.name, "stoker-loader");
+    let value = |name: &str| {
+        sidecar
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value.clone())
+    };
+    assert_eq!(value("STOKER_LOCAL_RANKS").as_deref(), Some("8"));
+    assert_eq!(value("WORLD_SIZE").as_deref(), Some("8"));
+    let args = sidecar.args.clone().expect("args").join(" ");
+    assert!(!args.contains("--socket"), "{args}");
+    for c in spec.containers.iter().chain([sidecar]) {
+        assert!(
+            c.env.iter().flatten().all(|e| e.name != "STOKER_SOCKET"),
+            "{} has STOKER_SOCKET",
+            c.name
+        );
+    }
+    // Eight of the pipeline's 512Mi rings, in the volume and on the sidecar's 128Mi.
+    let bytes = |q: Option<&Quantity>| q.and_then(|q| quantity_bytes(&q.0));
+    let rings = 8 * (512u64 << 20);
+    let shm = spec
+        .volumes
+        .as_ref()
+        .and_then(|v| v.iter().find(|v| v.name == "stoker-shm"))
+        .and_then(|v| v.empty_dir.as_ref())
+        .expect("shm volume");
+    assert_eq!(bytes(shm.size_limit.as_ref()), Some(rings));
+    let resources = sidecar.resources.as_ref().expect("resources");
+    for list in [&resources.limits, &resources.requests] {
+        let memory = list.as_ref().and_then(|l| l.get("memory"));
+        assert_eq!(bytes(memory), Some((128u64 << 20) + rings));
+    }
+    // The trainer (uid 1000) reaches the sidecar's 0660 sockets through the pod's fsGroup.
+    let security = spec
+        .security_context
+        .as_ref()
+        .expect("pod security context");
+    assert_eq!(security.fs_group, Some(65532));
+    assert_eq!(
+        security.fs_group_change_policy.as_deref(),
+        Some("OnRootMismatch")
+    );
+    assert_eq!(security.run_as_user, Some(1000));
+    let own = sidecar.security_context.as_ref().expect("sidecar security");
+    assert_eq!(
+        (own.run_as_user, own.run_as_group),
+        (Some(65532), Some(65532))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -227,8 +227,10 @@ pub struct Trainer {
     #[serde(default = "default_prefetch")]
     #[schemars(range(min = 1, max = 1024))]
     pub prefetch_batches: i64,
-    /// Size of the memory-backed shared-memory ring (a Kubernetes quantity, e.g. 2Gi);
-    /// immutable because injected pods already carry it.
+    /// Size of one trainer process's shared-memory ring (a Kubernetes quantity, e.g. 2Gi); a
+    /// trainer pod gets it once per local rank (torchrun's --nproc-per-node), in its
+    /// memory-backed volume and on the sidecar's memory. Immutable because injected pods
+    /// already carry it.
     #[serde(default = "default_shm")]
     #[schemars(length(min = 1, max = 32))]
     #[x_kube(

@@ -7,8 +7,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use kube::ResourceExt;
 use stoker_contract::{
     DECODER_GRPC_PORT, DecodeArgs, LoaderCommand, RenderError, ResizeMode, S3Args, SHM_DIR,
-    SIDECAR_HEALTH_PORT, SOCKET_PATH, SidecarArgs, TransformArgs, decoder_discovery_selector,
-    slot_bytes,
+    SIDECAR_HEALTH_PORT, SidecarArgs, TransformArgs, decoder_discovery_selector, slot_bytes,
 };
 
 use crate::api::DataPipeline;
@@ -75,7 +74,8 @@ pub fn sidecar(dp: &DataPipeline) -> Result<SidecarArgs, clap::Error> {
             Some(spec.trainer.prefetch_batches),
             defaults.prefetch_batches,
         ),
-        socket: Some(SOCKET_PATH.into()),
+        // No --socket: the sidecar names one per local rank in the shm dir, which the trainers'
+        // clients find by their LOCAL_RANK.
         shm_dir: SHM_DIR.into(),
         http_addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, SIDECAR_HEALTH_PORT)),
         workers_selector: Some(decoder_discovery_selector(&dp.name_any())),
@@ -143,6 +143,11 @@ mod tests {
         let crop = self::dp(include_str!("../../tests/fixtures/datapipeline-crop.yaml"));
         assert_eq!(sidecar(&crop).expect("builds").slot_bytes, None);
         assert_eq!(args.gpu_placement, spec.trainer.gpu_placement);
+        assert_eq!(
+            args.socket, None,
+            "one socket per local rank, named by the sidecar"
+        );
+        assert_eq!(args.shm_dir.to_str(), Some(SHM_DIR));
         let mut host = dp.clone();
         host.spec.trainer.gpu_placement = GpuPlacement::Host;
         let line = sidecar_args(&host).expect("renders").join(" ");

@@ -8,7 +8,8 @@ use kube::ResourceExt;
 use crate::api::{ANNOTATION_INJECTED, DataPipeline, LABEL_ROLE, ROLE_TRAINER};
 use crate::build::BuildDefaults;
 use crate::build::sidecar::{
-    SHM_VOLUME, SIDECAR_NAME, client_env, env, shm_mount, shm_volume, sidecar,
+    LocalRanksError, SHM_VOLUME, SIDECAR_NAME, client_env, env, local_ranks, share_ring_group,
+    shm_mount, shm_volume, sidecar,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -17,6 +18,8 @@ pub enum InjectError {
     Serialize(#[from] serde_json::Error),
     #[error(transparent)]
     LoaderArgs(#[from] stoker_contract::RenderError),
+    #[error(transparent)]
+    LocalRanks(#[from] LocalRanksError),
 }
 
 impl InjectError {
@@ -24,6 +27,7 @@ impl InjectError {
         match self {
             Self::Serialize(_) => "serialize",
             Self::LoaderArgs(e) => e.category(),
+            Self::LocalRanks(e) => e.category(),
         }
     }
 }
@@ -46,7 +50,9 @@ pub fn inject(
     defaults: &BuildDefaults,
 ) -> Result<Pod, InjectError> {
     let pipeline = dp.name_any();
-    let loader = sidecar(&pod, dp, defaults)?;
+    // Decided once: the sidecar's rings and sockets, its memory and the volume all follow it.
+    let local_ranks = local_ranks(&pod)?;
+    let loader = sidecar(&pod, dp, defaults, local_ranks)?;
     pod.labels_mut()
         .entry(LABEL_ROLE.to_string())
         .or_insert_with(|| ROLE_TRAINER.to_string());
@@ -57,9 +63,11 @@ pub fn inject(
         return Ok(pod);
     };
 
+    share_ring_group(spec.security_context.get_or_insert_with(Default::default));
+
     let volumes = spec.volumes.get_or_insert_with(Vec::new);
     if !volumes.iter().any(|v| v.name == SHM_VOLUME) {
-        volumes.push(shm_volume(dp));
+        volumes.push(shm_volume(dp, local_ranks));
     }
 
     for c in &mut spec.containers {
@@ -74,7 +82,7 @@ pub fn inject(
     Ok(pod)
 }
 
-/// The trainer container's side of the contract: the ring mounted, and where to connect.
+/// The trainer container's side of the contract: the rings mounted, and where to connect.
 fn add_client_wiring(c: &mut Container, pipeline: &str) {
     let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
     if !mounts.iter().any(|m| m.name == SHM_VOLUME) {
@@ -92,19 +100,28 @@ fn add_client_wiring(c: &mut Container, pipeline: &str) {
 mod tests {
     use super::*;
     use crate::api::ANNOTATION_WORLD_SIZE;
-    use crate::build::sidecar::quantity_bytes;
-    use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements};
+    use crate::build::sidecar::{SIDECAR_ID, quantity_bytes};
+    use k8s_openapi::api::core::v1::{EnvVar, PodSecurityContext, ResourceRequirements};
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-    use stoker_contract::{SHM_DIR, SOCKET_PATH};
+    use stoker_contract::{ANNOTATION_LOCAL_RANKS, SHM_DIR};
 
     fn dp() -> DataPipeline {
         serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
             .expect("fixture")
     }
 
+    /// A trainer with 8 GPUs (8 local ranks, one per GPU), a literal RANK and an init container.
     fn trainer() -> Pod {
         serde_yaml::from_str(include_str!("../../tests/fixtures/trainer-pod.yaml"))
             .expect("fixture")
+    }
+
+    /// The fixture as one trainer process.
+    fn single_rank() -> Pod {
+        let mut pod = trainer();
+        pod.annotations_mut()
+            .insert(ANNOTATION_LOCAL_RANKS.into(), "1".into());
+        pod
     }
 
     fn cfg() -> BuildDefaults {
@@ -120,10 +137,42 @@ mod tests {
         serde_json::from_value(v).expect("pod")
     }
 
+    fn injected(pod: &Pod, defaults: &BuildDefaults) -> Pod {
+        apply(pod, &injection_patch(pod, &dp(), defaults).expect("patch"))
+    }
+
+    fn shm_size(pod: &Pod) -> String {
+        let volume = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.volumes.as_ref())
+            .and_then(|v| v.iter().find(|v| v.name == SHM_VOLUME))
+            .expect("shm volume");
+        let dir = volume.empty_dir.as_ref().expect("emptyDir");
+        assert_eq!(dir.medium.as_deref(), Some("Memory"));
+        dir.size_limit.as_ref().expect("sizeLimit").0.clone()
+    }
+
+    fn with_resources() -> BuildDefaults {
+        use std::collections::BTreeMap;
+        let q = |s: &str| Quantity(s.to_string());
+        let both = BTreeMap::from([
+            ("cpu".to_string(), q("1")),
+            ("memory".to_string(), q("512Mi")),
+        ]);
+        BuildDefaults {
+            sidecar_resources: Some(ResourceRequirements {
+                requests: Some(both.clone()),
+                limits: Some(both),
+                ..ResourceRequirements::default()
+            }),
+            ..cfg()
+        }
+    }
+
     #[test]
     fn injects_a_native_sidecar_before_existing_init_containers() {
-        let patch = injection_patch(&trainer(), &dp(), &cfg()).expect("patch");
-        let pod = apply(&trainer(), &patch);
+        let pod = injected(&trainer(), &cfg());
         let spec = pod.spec.as_ref().expect("spec");
         let inits = spec.init_containers.as_ref().expect("inits");
         assert_eq!(
@@ -144,23 +193,16 @@ mod tests {
             "--workers-selector stoker.dev/pipeline=qwen3vl-pretrain,stoker.dev/role=decoder"
         ));
         assert!(args.contains("--workers-namespace training"), "{args}");
-        let shm = spec
-            .volumes
-            .as_ref()
-            .expect("volumes")
-            .iter()
-            .find(|v| v.name == SHM_VOLUME)
-            .expect("shm");
-        let dir = shm.empty_dir.as_ref().expect("emptyDir");
-        assert_eq!(dir.medium.as_deref(), Some("Memory"));
-        assert_eq!(dir.size_limit.as_ref().map(|q| q.0.as_str()), Some("2Gi"));
         for c in &spec.containers {
             let env = c.env.as_ref().expect("env");
             assert!(
                 env.iter()
-                    .any(|e| e.name == "STOKER_SOCKET" && e.value.as_deref() == Some(SOCKET_PATH))
+                    .any(|e| e.name == "STOKER_SHM_DIR" && e.value.as_deref() == Some(SHM_DIR))
             );
-            assert!(env.iter().any(|e| e.name == "STOKER_SHM_DIR"));
+            assert!(
+                env.iter().any(|e| e.name == "STOKER_PIPELINE"
+                    && e.value.as_deref() == Some("qwen3vl-pretrain"))
+            );
             assert!(
                 c.volume_mounts
                     .as_ref()
@@ -174,13 +216,101 @@ mod tests {
     }
 
     #[test]
+    fn a_torchrun_pod_gets_a_ring_and_a_socket_per_local_rank() {
+        let mut pod = trainer();
+        pod.spec.as_mut().expect("spec").containers[0].command = Some(
+            ["torchrun", "--nproc-per-node", "8", "train.py"]
+                .map(String::from)
+                .to_vec(),
+        );
+        let pod = injected(&pod, &with_resources());
+        let spec = pod.spec.as_ref().expect("spec");
+        let sidecar = &spec.init_containers.as_ref().expect("inits")[0];
+        let env = sidecar.env.clone().expect("env");
+        let value = |name: &str| {
+            env.iter()
+                .find(|e| e.name == name)
+                .and_then(|e| e.value.clone())
+        };
+        assert_eq!(value("STOKER_LOCAL_RANKS").as_deref(), Some("8"));
+        // The trainer's RANK=0 is torchrun's to set per process: the sidecar starts at node
+        // rank 0 × 8, in a job of one node.
+        assert_eq!(value("RANK"), None);
+        assert_eq!(value("WORLD_SIZE").as_deref(), Some("8"));
+
+        // No single socket anywhere: the sidecar names stoker-<local rank>.sock in the shm dir.
+        let args = sidecar.args.clone().expect("args").join(" ");
+        assert!(!args.contains("--socket"), "{args}");
+        assert!(args.contains(&format!("--shm-dir {SHM_DIR}")), "{args}");
+        for c in spec.containers.iter().chain([sidecar]) {
+            assert!(
+                c.env.iter().flatten().all(|e| e.name != "STOKER_SOCKET"),
+                "{}",
+                c.name
+            );
+        }
+
+        // Eight of the pipeline's 2Gi rings, in the volume and on the sidecar's memory.
+        let rings = 8 * (2u64 << 30);
+        assert_eq!(shm_size(&pod), rings.to_string());
+        let r = sidecar.resources.as_ref().expect("resources");
+        let memory = ((512u64 << 20) + rings).to_string();
+        assert_eq!(r.limits.as_ref().expect("limits")["memory"].0, memory);
+        assert_eq!(r.requests.as_ref().expect("requests")["memory"].0, memory);
+        assert_eq!(r.limits.as_ref().expect("limits")["cpu"].0, "1");
+
+        // A non-root trainer shares the sidecar's group: the rings and sockets are 0660.
+        let security = spec.security_context.as_ref().expect("pod security");
+        assert_eq!(security.fs_group, Some(SIDECAR_ID));
+        assert_eq!(
+            security.fs_group_change_policy.as_deref(),
+            Some("OnRootMismatch")
+        );
+        let own = sidecar.security_context.as_ref().expect("security");
+        assert_eq!(
+            (own.run_as_user, own.run_as_group),
+            (Some(SIDECAR_ID), Some(SIDECAR_ID))
+        );
+    }
+
+    #[test]
+    fn a_pods_own_fs_group_is_kept() {
+        let mut pod = trainer();
+        pod.spec.as_mut().expect("spec").security_context = Some(PodSecurityContext {
+            fs_group: Some(2000),
+            run_as_user: Some(1000),
+            ..PodSecurityContext::default()
+        });
+        let security = injected(&pod, &cfg())
+            .spec
+            .and_then(|s| s.security_context)
+            .expect("security");
+        assert_eq!(security.fs_group, Some(2000));
+        assert_eq!(security.fs_group_change_policy, None);
+        assert_eq!(security.run_as_user, Some(1000));
+    }
+
+    #[test]
+    fn an_unreadable_local_rank_count_is_refused_naming_its_source() {
+        let mut pod = trainer();
+        pod.annotations_mut()
+            .insert(ANNOTATION_LOCAL_RANKS.into(), "eight".into());
+        let err = injection_patch(&pod, &dp(), &cfg()).expect_err("refused");
+        assert_eq!(err.category(), "local_ranks");
+        let message = err.to_string();
+        assert!(
+            message.contains("the annotation stoker.dev/local-ranks is \"eight\""),
+            "{message}"
+        );
+    }
+
+    #[test]
     fn works_without_init_containers_or_volumes() {
         let mut pod = trainer();
         let spec = pod.spec.as_mut().expect("spec");
         spec.init_containers = None;
         spec.volumes = None;
-        let patched = apply(&pod, &injection_patch(&pod, &dp(), &cfg()).expect("patch"));
-        let inits = patched
+        let inits = injected(&pod, &cfg())
             .spec
             .as_ref()
             .and_then(|s| s.init_containers.clone())
@@ -189,8 +319,7 @@ mod tests {
     }
 
     fn sidecar_env(pod: &Pod) -> Vec<EnvVar> {
-        let patched = apply(pod, &injection_patch(pod, &dp(), &cfg()).expect("patch"));
-        let spec = patched.spec.expect("spec");
+        let spec = injected(pod, &cfg()).spec.expect("spec");
         spec.init_containers.expect("inits")[0]
             .env
             .clone()
@@ -200,12 +329,12 @@ mod tests {
     #[test]
     fn the_sidecar_learns_the_trainers_rank_and_world_size() {
         // The fixture's trainer sets RANK=0 itself.
-        let env = sidecar_env(&trainer());
+        let env = sidecar_env(&single_rank());
         let rank = env.iter().find(|e| e.name == "RANK").expect("RANK");
         assert_eq!(rank.value.as_deref(), Some("0"));
 
         // An Indexed Job pod: the rank comes from its completion index, the world size from ours.
-        let mut pod = trainer();
+        let mut pod = single_rank();
         pod.spec.as_mut().expect("spec").containers[0].env = None;
         pod.annotations_mut().insert(
             "batch.kubernetes.io/job-completion-index".into(),
@@ -232,30 +361,28 @@ mod tests {
     }
 
     #[test]
-    fn the_sidecar_memory_covers_the_ring() {
-        use std::collections::BTreeMap;
-        let q = |s: &str| Quantity(s.to_string());
-        let mut c = cfg();
-        let both = BTreeMap::from([
-            ("cpu".to_string(), q("1")),
-            ("memory".to_string(), q("512Mi")),
-        ]);
-        c.sidecar_resources = Some(ResourceRequirements {
-            requests: Some(both.clone()),
-            limits: Some(both),
-            ..ResourceRequirements::default()
-        });
-        let pod = apply(
-            &trainer(),
-            &injection_patch(&trainer(), &dp(), &c).expect("patch"),
+    fn a_single_rank_pod_gets_one_ring() {
+        let pod = injected(&single_rank(), &with_resources());
+        // The pipeline's own spelling of one ring.
+        assert_eq!(shm_size(&pod), "2Gi");
+        let spec = pod.spec.expect("spec");
+        let sidecar = &spec.init_containers.expect("inits")[0];
+        let limits = sidecar
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.clone())
+            .expect("limits");
+        assert_eq!(
+            limits["memory"].0,
+            ((512u64 << 20) + (2u64 << 30)).to_string()
         );
-        let sidecar = &pod.spec.expect("spec").init_containers.expect("inits")[0];
-        let r = sidecar.resources.as_ref().expect("resources");
-        // 512Mi + the fixture's 2Gi ring.
-        let want = ((512u64 << 20) + (2u64 << 30)).to_string();
-        assert_eq!(r.limits.as_ref().expect("limits")["memory"].0, want);
-        assert_eq!(r.requests.as_ref().expect("requests")["memory"].0, want);
-        assert_eq!(r.limits.as_ref().expect("limits")["cpu"].0, "1");
+        let local_ranks = sidecar
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "STOKER_LOCAL_RANKS")
+            .and_then(|e| e.value.clone());
+        assert_eq!(local_ranks.as_deref(), Some("1"));
     }
 
     #[test]
@@ -270,12 +397,11 @@ mod tests {
 
     #[test]
     fn reinvocation_is_a_no_op() {
-        let once = apply(
-            &trainer(),
-            &injection_patch(&trainer(), &dp(), &cfg()).expect("patch"),
-        );
-        let again = injection_patch(&once, &dp(), &cfg()).expect("patch");
-        assert!(again.0.is_empty(), "second patch: {again:?}");
+        for pod in [trainer(), single_rank()] {
+            let once = injected(&pod, &with_resources());
+            let again = injection_patch(&once, &dp(), &with_resources()).expect("patch");
+            assert!(again.0.is_empty(), "second patch: {again:?}");
+        }
     }
 
     #[test]
@@ -284,14 +410,13 @@ mod tests {
         pod.spec.as_mut().expect("spec").containers[0]
             .env
             .get_or_insert_with(Vec::new)
-            .push(env("STOKER_SOCKET", "/custom.sock"));
-        let patched = apply(&pod, &injection_patch(&pod, &dp(), &cfg()).expect("patch"));
-        let env = patched.spec.expect("spec").containers[0]
+            .push(env("STOKER_PIPELINE", "other"));
+        let env = injected(&pod, &cfg()).spec.expect("spec").containers[0]
             .env
             .clone()
             .expect("env");
-        let sockets: Vec<_> = env.iter().filter(|e| e.name == "STOKER_SOCKET").collect();
-        assert_eq!(sockets.len(), 1);
-        assert_eq!(sockets[0].value.as_deref(), Some("/custom.sock"));
+        let pipelines: Vec<_> = env.iter().filter(|e| e.name == "STOKER_PIPELINE").collect();
+        assert_eq!(pipelines.len(), 1);
+        assert_eq!(pipelines[0].value.as_deref(), Some("other"));
     }
 }

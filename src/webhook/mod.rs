@@ -64,7 +64,9 @@ struct Handler {
 }
 
 impl Handler {
-    /// Admission decision for one pod: refuse a pod that names a missing pipeline, else patch.
+    /// Admission decision for one pod: refuse a pod that names a missing pipeline or whose
+    /// count of trainer processes does not parse (the message names where it was read), else
+    /// patch.
     async fn admit(&self, req: &AdmissionRequest<Pod>) -> AdmissionResponse {
         let allow = AdmissionResponse::from(req);
         if !matches!(req.operation, Operation::Create) {
