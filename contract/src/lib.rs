@@ -62,9 +62,24 @@ pub fn ring_bytes(prefetch_batches: u64, batch_size: u64, sample_pixels: u64) ->
     (prefetch_batches + HELD_BATCHES).saturating_mul(slot_bytes(batch_size, sample_pixels))
 }
 
+/// Samples a decoder accepts in one `DecodeBatch` request; a sidecar sends a whole batch in one.
+pub const MAX_BATCH_SAMPLES: u64 = 1024;
+
+/// Largest width x height of one output sample in any resize mode: bounds a decoder's memory
+/// per sample whatever a request asks for.
+pub const MAX_OUTPUT_PIXELS: u64 = 16384 * 28 * 28;
+
+/// Largest gRPC message either end of the decode RPC accepts (256 x 448² x 3 with room to spare).
+pub const MAX_GRPC_MESSAGE_BYTES: u64 = 256 << 20;
+
+/// Pixel bytes one batch may carry: a batch travels in one reply, and the message limit keeps
+/// 16 MiB for the per-sample keys and metadata next to the pixels.
+pub const MAX_BATCH_PIXEL_BYTES: u64 = MAX_GRPC_MESSAGE_BYTES - (16 << 20);
+
 /// Environment the webhook gives the sidecar and the trainer containers.
 pub mod env {
-    /// The trainer client's socket (trainer containers and sidecar).
+    /// One socket for a one-process trainer outside a pod (the sidecar's `--socket`, the
+    /// client's override); pods use `$STOKER_SHM_DIR/stoker-$LOCAL_RANK.sock` instead.
     pub const SOCKET: &str = "STOKER_SOCKET";
     /// The ring's directory (trainer containers and sidecar).
     pub const SHM_DIR: &str = "STOKER_SHM_DIR";

@@ -675,3 +675,40 @@ fn a_checkpoint_of_another_order_is_refused() {
     }
     assert_eq!(consume_epoch(&mut c, |_, _| {}).keys().len(), 12);
 }
+
+/// A pod that knows its node rank but not the world size (an Indexed Job without WORLD_SIZE)
+/// still starts; its trainers say their ranks when they connect, and those decide the shards.
+#[test]
+fn a_sidecar_without_the_world_size_takes_the_trainers_ranks() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path().join("s3")).unwrap();
+    let keys = dataset(&server, 16, 32, 24);
+    let flags = [
+        "--node-rank",
+        "1",
+        "--local-ranks",
+        "2",
+        "--batch-size",
+        "2",
+    ];
+    let sc = sidecar(&server, dir.path(), &[], &flags);
+    let mut seen: Vec<String> = Vec::new();
+    for (i, path) in sc.sockets.iter().enumerate() {
+        let shard = Shard {
+            rank: 2 + i as u32,
+            world_size: 4,
+        };
+        let mut c = TrainerClient::connect_as(path, Duration::from_secs(60), Some(shard)).unwrap();
+        let epoch = consume_epoch(&mut c, |_, _| {});
+        assert_eq!(
+            epoch.batches.len(),
+            2,
+            "16 samples over 4 ranks, batches of 2"
+        );
+        seen.extend(epoch.keys());
+    }
+    let distinct: HashSet<&String> = seen.iter().collect();
+    assert_eq!(distinct.len(), 8, "ranks 2 and 3 get disjoint halves");
+    assert!(seen.iter().all(|k| keys.contains(k)));
+}

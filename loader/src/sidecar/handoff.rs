@@ -149,7 +149,7 @@ fn say_hello(
         rank: rank.unwrap_or(current.rank),
         world_size: world_size.unwrap_or(current.world_size),
     };
-    if asked != current {
+    if asked != current || !pipeline.started() {
         if let Err(err) = pipeline.restart(asked, pipeline.start) {
             return Reply::Error {
                 message: format!("rank {} of {}: {err}", asked.rank, asked.world_size),

@@ -320,9 +320,26 @@ impl Pipeline {
         }
     }
 
-    /// Starts the stream at the start point for the rank it was built for.
+    /// Starts the stream at the start point for the rank it was built for; when that rank is
+    /// not in the world (the pod knows its node rank, not the world size), the first trainer's
+    /// `hello` starts it.
     pub fn start(self: &Arc<Self>) -> Result<(), PlanError> {
-        self.restart(self.shard(), self.start).map(|_| ())
+        match self.restart(self.shard(), self.start) {
+            Err(PlanError::RankOutOfRange { rank, world_size }) => {
+                tracing::info!(
+                    rank,
+                    world_size,
+                    "waiting for the trainer's rank and world size"
+                );
+                Ok(())
+            }
+            other => other.map(|_| ()),
+        }
+    }
+
+    /// Whether a stream runs (false until a rank in the world is known).
+    pub fn started(&self) -> bool {
+        self.lock_stream().walker.is_some()
     }
 
     /// Replaces the stream: from `from`, for `shard`. Batches decoded for the old stream and not

@@ -14,7 +14,7 @@ use super::discovery::{self, DnsWorkers, KubeWorkers, StaticWorkers, WorkerDisco
 use super::fleet::{DecoderFleet, FleetPolicy};
 use super::metrics::SidecarMetrics;
 use super::pipeline::{BusyTurns, Delivery, Pipeline, Stream};
-use super::plan::{Cursor, PlanConfig, Shard};
+use super::plan::{Cursor, PlanConfig, PlanError, Shard};
 use super::protocol::{GpuInfo, HelloInfo};
 use super::ring::{SHARED_MODE, ShmRing};
 use super::{SidecarArgs, SidecarError, handoff, http};
@@ -154,7 +154,12 @@ pub(super) fn plan_epochs(args: &SidecarArgs, samples: usize) -> Result<EpochPla
         })
         .collect();
     for plan in &plans {
-        plan.validate(samples)?;
+        match plan.validate(samples) {
+            // A pod may know its node rank but not the world size: its trainers say both when
+            // they connect, and the stream starts then.
+            Err(PlanError::RankOutOfRange { .. }) => {}
+            other => other?,
+        }
     }
     // Equal on every rank by construction of the plan.
     let batches_per_epoch = plans[0].batches_per_epoch(samples) as u64;
