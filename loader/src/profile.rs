@@ -41,9 +41,17 @@ pub struct ProfileReport {
     pub get_p90_ms: f64,
     pub get_mb_per_s: f64,
     pub get_concurrency: usize,
+    /// CPU of the whole process while fetching (request signing, HTTP, body copies), per
+    /// sampled object.
+    pub get_cpu_ms_per_image: f64,
     pub decode_ms_per_image: f64,
     pub resize_ms_per_image: f64,
+    /// Everything else of a batch on the decode thread: probing headers, the batch buffer,
+    /// closing holes left by skipped samples.
     pub pack_ms_per_image: f64,
+    /// Decode-path CPU per decoded image: decode + resize + pack.
+    pub cpu_ms_per_image: f64,
+    /// Decode path only (GET not counted): 1000 / `cpu_ms_per_image`.
     pub images_per_second_per_core: f64,
     pub encoded_bytes_per_image: f64,
     pub decoded_bytes_per_image: f64,
@@ -51,6 +59,16 @@ pub struct ProfileReport {
     pub cores_needed: f64,
     /// Decoded bytes per second leaving the decoders at the target rate, in Gbit/s.
     pub egress_gbit_per_s_at_target: f64,
+}
+
+/// CPU time of the decode thread by stage, and what it produced.
+#[derive(Debug, Default)]
+struct CpuStages {
+    decode: Duration,
+    resize: Duration,
+    pack: Duration,
+    decoded: usize,
+    out_bytes: usize,
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
@@ -78,6 +96,7 @@ pub async fn run_profile(
 
     // GETs at the configured concurrency, each timed.
     let t_get = Instant::now();
+    let c_get = crate::batch::process_cpu_time();
     let fetched: Vec<(EncodedSample, Duration)> = futures::stream::iter(picked)
         .map(|s| async move {
             let t0 = Instant::now();
@@ -98,6 +117,7 @@ pub async fn run_profile(
         .collect()
         .await;
     let get_wall = t_get.elapsed();
+    let get_cpu = crate::batch::process_cpu_time().saturating_sub(c_get);
     let mut lat: Vec<Duration> = fetched.iter().map(|(_, d)| *d).collect();
     lat.sort();
     let encoded_total: usize = fetched
@@ -113,31 +133,26 @@ pub async fn run_profile(
     let cpu = tokio::task::spawn_blocking(move || {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build();
         let run = |samples: &[EncodedSample]| {
-            let mut agg = (
-                Duration::ZERO,
-                Duration::ZERO,
-                Duration::ZERO,
-                0usize,
-                0usize,
-            );
+            let mut stages = CpuStages::default();
             let mut skips: BTreeMap<String, u64> = BTreeMap::new();
             let t0 = Instant::now();
-            let c0 = crate::batch::thread_cpu_time();
             for chunk in samples.chunks(32) {
+                let c0 = crate::batch::thread_cpu_time();
                 let b = decode_batch(chunk, &transform, &limits);
-                agg.0 += b.timings.decode_cpu;
-                agg.1 += b.timings.resize_cpu;
-                agg.2 += b.timings.pack_wall;
-                agg.3 += b.decoded_count();
-                agg.4 += b.pixels.len();
+                let batch_cpu = crate::batch::thread_cpu_time().saturating_sub(c0);
+                let (decode, resize) = (b.timings.decode_cpu, b.timings.resize_cpu);
+                stages.decode += decode;
+                stages.resize += resize;
+                stages.pack += batch_cpu.saturating_sub(decode + resize);
+                stages.decoded += b.decoded_count();
+                stages.out_bytes += b.pixels.len();
                 for s in &b.samples {
                     if let Some(r) = s.skip {
                         *skips.entry(r.as_str().to_string()).or_default() += 1;
                     }
                 }
             }
-            let cpu = crate::batch::thread_cpu_time().saturating_sub(c0);
-            (agg, skips, t0.elapsed(), cpu.as_secs_f64())
+            (stages, skips, t0.elapsed())
         };
         match pool {
             Ok(p) => p.install(|| run(&samples)),
@@ -146,11 +161,19 @@ pub async fn run_profile(
     })
     .await
     .unwrap_or_default();
-    let ((decode, resize, pack, decoded, out_bytes), skips, wall, cpu_secs) = cpu;
+    let (stages, skips, wall) = cpu;
+    let CpuStages {
+        decode,
+        resize,
+        pack,
+        decoded,
+        out_bytes,
+    } = stages;
 
     let n = decoded.max(1) as f64;
     // Per core from the thread's CPU time, not wall time: on a busy node other processes'
     // time slices would count as ours. One thread did all the work.
+    let cpu_secs = (decode + resize + pack).as_secs_f64();
     let per_core = if cpu_secs > 0.0 {
         decoded as f64 / cpu_secs
     } else if !wall.is_zero() {
@@ -170,9 +193,11 @@ pub async fn run_profile(
         get_p90_ms: percentile(&lat, 0.9),
         get_mb_per_s: encoded_total as f64 / 1e6 / get_wall.as_secs_f64().max(1e-9),
         get_concurrency: cfg.concurrency,
+        get_cpu_ms_per_image: get_cpu.as_secs_f64() * 1000.0 / sampled.max(1) as f64,
         decode_ms_per_image: decode.as_secs_f64() * 1000.0 / n,
         resize_ms_per_image: resize.as_secs_f64() * 1000.0 / n,
         pack_ms_per_image: pack.as_secs_f64() * 1000.0 / n,
+        cpu_ms_per_image: cpu_secs * 1000.0 / n,
         images_per_second_per_core: per_core,
         encoded_bytes_per_image: encoded_total as f64 / sampled.max(1) as f64,
         decoded_bytes_per_image,
@@ -211,16 +236,24 @@ impl ProfileReport {
                 ),
             ),
             (
-                "decode per image".into(),
-                format!("{:.2} ms", self.decode_ms_per_image),
+                "CPU per image: get".into(),
+                format!("{:.3} ms", self.get_cpu_ms_per_image),
             ),
             (
-                "resize per image".into(),
-                format!("{:.2} ms", self.resize_ms_per_image),
+                "CPU per image: decode".into(),
+                format!("{:.3} ms", self.decode_ms_per_image),
             ),
             (
-                "pack per image".into(),
+                "CPU per image: resize".into(),
+                format!("{:.3} ms", self.resize_ms_per_image),
+            ),
+            (
+                "CPU per image: pack".into(),
                 format!("{:.3} ms", self.pack_ms_per_image),
+            ),
+            (
+                "CPU per image: decode path".into(),
+                format!("{:.3} ms", self.cpu_ms_per_image),
             ),
             (
                 "images/s per core".into(),

@@ -7,7 +7,9 @@ mod orientation;
 mod raster;
 mod sniff;
 
-pub use orientation::{Orientation, apply_orientation, exif_orientation, png_exif_orientation};
+pub use orientation::{
+    Orientation, Rect, apply_orientation, exif_orientation, png_exif_orientation,
+};
 pub use sniff::{Format, sniff};
 
 /// Why a sample was skipped. The string form is the `reason` label on metrics and the
@@ -26,14 +28,18 @@ pub enum SkipReason {
     NotFound,
     /// A zero-byte object.
     Empty,
-    /// S3 kept failing after all retries, or refused access.
+    /// S3 kept failing after all retries (throttling, 5xx, network): the sample is fine, so the
+    /// sidecar decodes its batch again later rather than deliver it without the sample.
     S3Error,
+    /// S3 refused access (401/403, expired credentials) or the bucket is gone: no retry helps;
+    /// the sidecar stops delivery with `source_unavailable` instead of sending empty batches.
+    SourceUnavailable,
     /// The transform cannot produce an output for this image (e.g. extreme aspect ratio).
     BadGeometry,
 }
 
 impl SkipReason {
-    pub const ALL: [SkipReason; 8] = [
+    pub const ALL: [SkipReason; 9] = [
         SkipReason::Corrupt,
         SkipReason::Truncated,
         SkipReason::Unsupported,
@@ -41,6 +47,7 @@ impl SkipReason {
         SkipReason::NotFound,
         SkipReason::Empty,
         SkipReason::S3Error,
+        SkipReason::SourceUnavailable,
         SkipReason::BadGeometry,
     ];
 
@@ -53,6 +60,7 @@ impl SkipReason {
             SkipReason::NotFound => "not_found",
             SkipReason::Empty => "empty",
             SkipReason::S3Error => "s3_error",
+            SkipReason::SourceUnavailable => "source_unavailable",
             SkipReason::BadGeometry => "bad_geometry",
         }
     }
@@ -168,24 +176,57 @@ pub fn probe(data: &[u8], limits: &DecodeLimits) -> Result<Probe, DecodeError> {
     Ok(probe)
 }
 
-/// An RGB8 image decoded into a caller-owned buffer, in stored (not yet oriented) order.
+/// An RGB8 image decoded into a caller-owned buffer, in stored (not yet oriented) order: the
+/// `width` x `height` pixels at (`x`, `y`) of the image decoded at `full_width` x
+/// `full_height` (its DCT-scaled size). Only JPEGs asked for a region decode less than all of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decoded {
     pub width: u32,
     pub height: u32,
+    pub full_width: u32,
+    pub full_height: u32,
+    pub x: u32,
+    pub y: u32,
+}
+
+impl Decoded {
+    /// The whole image, `width` x `height`.
+    pub fn whole(width: u32, height: u32) -> Self {
+        Self {
+            width,
+            height,
+            full_width: width,
+            full_height: height,
+            x: 0,
+            y: 0,
+        }
+    }
+
+    /// Where the decoded pixels sit in the full image.
+    pub fn rect(&self) -> Rect {
+        Rect {
+            x: self.x,
+            y: self.y,
+            width: self.width,
+            height: self.height,
+        }
+    }
 }
 
 /// Decodes `data` (already probed) to packed RGB8 in `out`, which is resized as needed and
 /// reused across calls. For JPEG, `min_size` (stored orientation) lets libjpeg-turbo decode at
-/// 1/2, 1/4 or 1/8 scale in the DCT domain as long as the result stays at least that large.
+/// 1/2, 1/4 or 1/8 scale in the DCT domain as long as the result stays at least that large,
+/// and `region` (stored orientation, full-resolution pixels) the part the caller reads: only it
+/// is decoded, widened to libjpeg-turbo's alignment. Other formats decode whole.
 pub fn decode_rgb(
     data: &[u8],
     probe: &Probe,
     min_size: Option<(u32, u32)>,
+    region: Option<Rect>,
     out: &mut Vec<u8>,
 ) -> Result<Decoded, DecodeError> {
     match probe.format {
-        Format::Jpeg => jpeg::decode(data, probe, min_size, out),
+        Format::Jpeg => jpeg::decode(data, probe, min_size, region, out),
         Format::Png | Format::WebP => raster::decode(probe.format, data, out),
     }
 }

@@ -43,6 +43,54 @@ impl Orientation {
     }
 }
 
+/// A rectangle of pixels: `x`..`x + width` by `y`..`y + height`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rect {
+    pub x: u32,
+    pub y: u32,
+    pub width: u32,
+    pub height: u32,
+}
+
+impl Orientation {
+    /// The orientation that undoes this one.
+    pub fn inverse(self) -> Orientation {
+        match self {
+            Orientation::Rotate90 => Orientation::Rotate270,
+            Orientation::Rotate270 => Orientation::Rotate90,
+            o => o,
+        }
+    }
+
+    /// Where `r`, a rectangle of a `w` x `h` image, lands once [`apply_orientation`] has turned
+    /// that image (the same pixel mapping, for rectangles).
+    pub fn map_rect(self, r: Rect, w: u32, h: u32) -> Rect {
+        let flip_x = |r: Rect| w - r.x - r.width;
+        let flip_y = |r: Rect| h - r.y - r.height;
+        let (x, y) = match self {
+            Orientation::Normal => (r.x, r.y),
+            Orientation::FlipH => (flip_x(r), r.y),
+            Orientation::Rotate180 => (flip_x(r), flip_y(r)),
+            Orientation::FlipV => (r.x, flip_y(r)),
+            Orientation::Transpose => (r.y, r.x),
+            Orientation::Rotate90 => (flip_y(r), r.x),
+            Orientation::Transverse => (flip_y(r), flip_x(r)),
+            Orientation::Rotate270 => (r.y, flip_x(r)),
+        };
+        let (width, height) = if self.swaps_axes() {
+            (r.height, r.width)
+        } else {
+            (r.width, r.height)
+        };
+        Rect {
+            x,
+            y,
+            width,
+            height,
+        }
+    }
+}
+
 /// Finds the orientation tag in a JPEG's EXIF (APP1) segment; Normal when absent or unreadable,
 /// because a broken EXIF block should not cost the sample.
 pub fn exif_orientation(jpeg: &[u8]) -> Orientation {
@@ -186,6 +234,34 @@ mod tests {
         assert_eq!(out, vec![0, 255, 0, 255, 0, 0]);
         apply_orientation(&RG, 2, 1, Orientation::FlipH, &mut out);
         assert_eq!(out, vec![0, 255, 0, 255, 0, 0]);
+    }
+
+    #[test]
+    fn map_rect_follows_the_pixels() {
+        // A 5x3 image whose pixel values are their index; a 2x1 rectangle at (1, 2).
+        let (w, h) = (5u32, 3u32);
+        let src: Vec<u8> = (0..w * h).flat_map(|i| [i as u8, 0, 0]).collect();
+        let r = Rect {
+            x: 1,
+            y: 2,
+            width: 2,
+            height: 1,
+        };
+        let inside: Vec<u8> = vec![11, 12];
+        for v in 1..=8 {
+            let o = Orientation::from_exif(v);
+            let mut out = Vec::new();
+            let (ow, _) = apply_orientation(&src, w, h, o, &mut out);
+            let m = o.map_rect(r, w, h);
+            let mut got: Vec<u8> = (m.y..m.y + m.height)
+                .flat_map(|y| (m.x..m.x + m.width).map(move |x| (y, x)))
+                .map(|(y, x)| out[((y * ow + x) * 3) as usize])
+                .collect();
+            got.sort();
+            assert_eq!(got, inside, "{o:?}");
+            let (sw, sh) = if o.swaps_axes() { (h, w) } else { (w, h) };
+            assert_eq!(o.inverse().map_rect(m, sw, sh), r, "{o:?}");
+        }
     }
 
     #[test]

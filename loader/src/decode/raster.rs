@@ -132,10 +132,7 @@ fn read_rgb8(
         out.clear();
         out.resize(pixels * 3, 0);
         dec.read_image(out).map_err(|e| classify(format, e))?;
-        return Ok(Decoded {
-            width: w,
-            height: h,
-        });
+        return Ok(Decoded::whole(w, h));
     }
     let mut raw = vec![0u8; dec.total_bytes() as usize];
     dec.read_image(&mut raw).map_err(|e| classify(format, e))?;
@@ -169,10 +166,7 @@ fn read_rgb8(
         };
         out.extend_from_slice(&[over_white(r, a), over_white(g, a), over_white(b, a)]);
     }
-    Ok(Decoded {
-        width: w,
-        height: h,
-    })
+    Ok(Decoded::whole(w, h))
 }
 
 fn over_white(c: u8, a: u8) -> u8 {

@@ -12,6 +12,8 @@ use fast_image_resize::images::{CroppedImageMut, Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 use stoker_contract::{ResizeMode, TransformArgs};
 
+use crate::decode::Rect;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transform {
     Crop {
@@ -185,6 +187,38 @@ impl Transform {
         ))
     }
 
+    /// The part of a `w` x `h` image (after orientation) that the output is made from, with a
+    /// margin for the resampling filter's reach; `None` when that is the whole image. Only
+    /// `crop` leaves anything out. Decoding just this part and handing it to
+    /// [`Transform::apply_region`] gives the output of the whole image.
+    pub fn source_window(&self, w: u32, h: u32) -> Option<Rect> {
+        let Transform::Crop { width, height } = *self else {
+            return None;
+        };
+        let (fw, fh) = (f64::from(w), f64::from(h));
+        let (left, top, cw, ch) = crop_box(fw, fh, width, height);
+        // The bilinear filter reaches one output pixel (1/s source pixels) past the box when
+        // downscaling, one source pixel when upscaling; one more for rounding.
+        let margin = (f64::from(w) / f64::from(width))
+            .min(f64::from(h) / f64::from(height))
+            .max(1.0)
+            .ceil()
+            + 1.0;
+        let x0 = (left - margin).floor().max(0.0) as u32;
+        let y0 = (top - margin).floor().max(0.0) as u32;
+        let x1 = ((left + cw + margin).ceil() as u32).min(w);
+        let y1 = ((top + ch + margin).ceil() as u32).min(h);
+        if x0 == 0 && y0 == 0 && x1 == w && y1 == h {
+            return None;
+        }
+        Some(Rect {
+            x: x0,
+            y: y0,
+            width: x1 - x0,
+            height: y1 - y0,
+        })
+    }
+
     /// Resizes packed RGB8 `src` (`sw` x `sh`) into `dst`, which holds exactly the output size
     /// (`output_size` of the original image) as packed HWC.
     pub fn apply(
@@ -196,7 +230,29 @@ impl Transform {
         dst: &mut [u8],
         resizer: &mut Resizer,
     ) -> Result<(), TransformError> {
+        let whole = Rect {
+            x: 0,
+            y: 0,
+            width: sw,
+            height: sh,
+        };
+        self.apply_region(src, whole, (sw, sh), out_size, dst, resizer)
+    }
+
+    /// [`Transform::apply`] for `src`, the pixels of `region` of a `full` (width, height)
+    /// image: the output is that of the full image, as long as `region` covers the
+    /// [`Transform::source_window`] (scaled to `full`).
+    pub fn apply_region(
+        &self,
+        src: &[u8],
+        region: Rect,
+        full: (u32, u32),
+        out_size: (u32, u32),
+        dst: &mut [u8],
+        resizer: &mut Resizer,
+    ) -> Result<(), TransformError> {
         let (ow, oh) = out_size;
+        let (sw, sh) = (region.width, region.height);
         let src_img =
             ImageRef::new(sw, sh, src, PixelType::U8x3).map_err(|e| TransformError::Resize {
                 detail: e.to_string(),
@@ -207,12 +263,15 @@ impl Transform {
             }
         })?;
         let alg = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
-        let (fw, fh) = (f64::from(sw), f64::from(sh));
         let result = match *self {
             Transform::Crop { .. } => {
-                let s = (f64::from(ow) / fw).max(f64::from(oh) / fh);
-                let (cw, ch) = ((f64::from(ow) / s).min(fw), (f64::from(oh) / s).min(fh));
-                let opts = alg.crop((fw - cw) / 2.0, (fh - ch) / 2.0, cw, ch);
+                let (left, top, cw, ch) = crop_box(f64::from(full.0), f64::from(full.1), ow, oh);
+                let opts = alg.crop(
+                    left - f64::from(region.x),
+                    top - f64::from(region.y),
+                    cw,
+                    ch,
+                );
                 resizer.resize(&src_img, &mut dst_img, &opts)
             }
             Transform::Fit { pad, .. } => {
@@ -233,6 +292,14 @@ impl Transform {
             detail: e.to_string(),
         })
     }
+}
+
+/// `crop`'s box in a `fw` x `fh` image for a `ow` x `oh` output: (left, top, width, height),
+/// the largest centered box of the output's aspect.
+fn crop_box(fw: f64, fh: f64, ow: u32, oh: u32) -> (f64, f64, f64, f64) {
+    let s = (f64::from(ow) / fw).max(f64::from(oh) / fh);
+    let (cw, ch) = ((f64::from(ow) / s).min(fw), (f64::from(oh) / s).min(fh));
+    ((fw - cw) / 2.0, (fh - ch) / 2.0, cw, ch)
 }
 
 /// Largest output of any mode: bounds memory per sample whatever a request asks for.
@@ -348,6 +415,31 @@ mod tests {
             pad: 0,
         };
         assert_eq!(fit.min_source_size(1600, 1200).unwrap(), (448, 336));
+    }
+
+    #[test]
+    fn crop_window_is_the_centered_box_with_a_margin() {
+        let crop = Transform::Crop {
+            width: 448,
+            height: 448,
+        };
+        // 1600x1200: box 1200x1200 at x 200; 2.68 source pixels per output pixel -> margin 4.
+        assert_eq!(
+            crop.source_window(1600, 1200),
+            Some(Rect {
+                x: 196,
+                y: 0,
+                width: 1208,
+                height: 1200
+            })
+        );
+        assert_eq!(crop.source_window(448, 448), None);
+        let fit = Transform::Fit {
+            width: 448,
+            height: 448,
+            pad: 0,
+        };
+        assert_eq!(fit.source_window(1600, 1200), None);
     }
 
     #[test]
