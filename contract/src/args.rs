@@ -98,14 +98,23 @@ pub struct TransformArgs {
 }
 
 /// `stoker-loader decode`: the gRPC decode worker. Stateless; every request carries its
-/// samples and transform.
+/// samples and transform, and may only name objects of the pipeline's source (`--bucket`,
+/// `--prefix`).
 #[derive(clap::Args, Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct DecodeArgs {
     #[arg(long, default_value_t = any_addr(DECODER_GRPC_PORT))]
     pub grpc_addr: SocketAddr,
     #[arg(long, default_value_t = any_addr(DECODER_METRICS_PORT))]
     pub http_addr: SocketAddr,
-    /// Decode threads; 0 = one per core.
+    /// The only bucket requests may read; others are refused with PERMISSION_DENIED. Unset
+    /// (local runs, bench): any bucket, with a warning at start.
+    #[arg(long)]
+    pub bucket: Option<String>,
+    /// Keys requests may read start with this. Unset for manifest pipelines, whose keys may be
+    /// anywhere in the bucket.
+    #[arg(long, requires = "bucket")]
+    pub prefix: Option<String>,
+    /// Decode threads; 0 = the container's CPU limit (cgroup v2), else one per core.
     #[arg(long, env = "STOKER_DECODE_THREADS", default_value_t = 0)]
     pub threads: usize,
     /// Batches admitted at once; further requests get RESOURCE_EXHAUSTED. 0 = 2 x threads + 2.
@@ -120,6 +129,62 @@ pub struct DecodeArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub s3: S3Args,
+}
+
+impl DecodeArgs {
+    /// Largest DecodeBatch request a decoder reads: keys and metadata of the largest batch
+    /// ([`crate::MAX_BATCH_SAMPLES`] x (a 1 KiB S3 key + 3 KiB of manifest metadata)). Requests
+    /// carry no pixels (inline bytes are for tests), so anything larger is refused before it
+    /// is buffered.
+    pub const MAX_REQUEST_BYTES: u64 = 4 << 20;
+
+    /// Bytes a decode thread may hold for one sample at most: `max_source_pixels` at the widest
+    /// decoded layout (RGBA16, 8 bytes), its 8-bit copy (4) and the RGB8 result (3), rounded up.
+    pub const DECODE_BYTES_PER_SOURCE_PIXEL: u64 = 16;
+
+    /// Encoded bytes assumed per sample while a batch waits for the pool. Bodies are not capped
+    /// yet; typical dataset JPEGs are 50-500 KiB, so this leaves a wide margin.
+    pub const ASSUMED_ENCODED_SAMPLE_BYTES: u64 = 2 << 20;
+
+    /// The process itself: runtime, S3 client, allocator slack.
+    pub const BASE_MEMORY_BYTES: u64 = 128 << 20;
+
+    /// Batches admitted at once for `threads` decode threads: `--queue-depth`, else enough to
+    /// keep the pool busy while the next batches' GETs are in flight.
+    pub fn admitted_batches(&self, threads: usize) -> usize {
+        if self.queue_depth == 0 {
+            threads.max(1) * 2 + 2
+        } else {
+            self.queue_depth
+        }
+    }
+
+    /// Requests read at once, admitted or not: twice the admitted batches, so that refusals
+    /// (queue full) still answer quickly while request memory stays bounded.
+    pub fn requests_in_flight(&self, threads: usize) -> usize {
+        self.admitted_batches(threads) * 2
+    }
+
+    /// Upper bound on a decoder's memory with `threads` decode threads serving batches of
+    /// `batch_samples` outputs of at most `output_pixels` each: every thread decoding its
+    /// largest sample, every admitted batch holding its encoded samples and its reply, every
+    /// request being read at its size limit, and the process itself.
+    pub fn memory_bound(&self, threads: usize, batch_samples: u64, output_pixels: u64) -> u64 {
+        let threads = threads.max(1) as u64;
+        let decoding = threads
+            .saturating_mul(self.max_source_pixels)
+            .saturating_mul(Self::DECODE_BYTES_PER_SOURCE_PIXEL);
+        let per_batch = batch_samples.saturating_mul(
+            Self::ASSUMED_ENCODED_SAMPLE_BYTES.saturating_add(output_pixels.saturating_mul(3)),
+        );
+        let batches = (self.admitted_batches(threads as usize) as u64).saturating_mul(per_batch);
+        let requests = (self.requests_in_flight(threads as usize) as u64)
+            .saturating_mul(Self::MAX_REQUEST_BYTES);
+        decoding
+            .saturating_add(batches)
+            .saturating_add(requests)
+            .saturating_add(Self::BASE_MEMORY_BYTES)
+    }
 }
 
 /// `stoker-loader sidecar`: next to the trainer, epoch order, prefetch across the decode
@@ -203,6 +268,10 @@ pub struct SidecarArgs {
     /// A batch not answered within this is re-sent to another worker.
     #[arg(long, default_value_t = 30.0)]
     pub batch_timeout_secs: f64,
+    /// While S3 fails transiently, a batch is decoded again for this long; then the trainer is
+    /// told the source is unavailable (never a batch with samples missing).
+    #[arg(long, default_value_t = 600)]
+    pub source_retry_secs: u64,
     /// Consecutive failures before a worker is set aside, and for how long.
     #[arg(long, default_value_t = 3)]
     pub max_worker_failures: u32,
@@ -215,6 +284,12 @@ pub struct SidecarArgs {
     /// changes it through the pod's `stoker.dev/local-share` annotation.
     #[arg(long, env = "STOKER_LOCAL_SHARE", default_value_t = 0.0)]
     pub local_share: f64,
+    /// The DataPipeline served (in --workers-namespace): Events about its source go there.
+    #[arg(long, env = crate::env::PIPELINE)]
+    pub pipeline: Option<String>,
+    /// The DataPipeline's uid, which `kubectl describe` matches Events by.
+    #[arg(long, env = crate::env::PIPELINE_UID)]
+    pub pipeline_uid: Option<String>,
     /// This sidecar's pod (in --workers-namespace), whose local-share annotation it follows.
     #[arg(long, env = crate::env::POD_NAME)]
     pub pod_name: Option<String>,

@@ -85,6 +85,8 @@ pub mod env {
     pub const SHM_DIR: &str = "STOKER_SHM_DIR";
     /// The pipeline's name (trainer containers and decoders).
     pub const PIPELINE: &str = "STOKER_PIPELINE";
+    /// The pipeline's uid (sidecar), for the Events it records on the DataPipeline.
+    pub const PIPELINE_UID: &str = "STOKER_PIPELINE_UID";
     /// The sidecar's own pod, whose local-share annotation it follows.
     pub const POD_NAME: &str = "STOKER_POD_NAME";
     /// The node the sidecar runs on.

@@ -47,6 +47,9 @@ fn sidecar() -> SidecarArgs {
         workers_port: 5000,
         discovery_interval_secs: 4,
         batch_timeout_secs: 2.5,
+        source_retry_secs: 90,
+        pipeline: Some("laion-vl".into()),
+        pipeline_uid: Some("0f6c".into()),
         max_worker_failures: 5,
         set_aside_secs: 7,
         local_decoders: 2,
@@ -82,6 +85,8 @@ fn sidecar_arguments_parse_back_to_the_same_values() {
 #[test]
 fn decode_arguments_parse_back_to_the_same_values() {
     let args = DecodeArgs {
+        bucket: Some("laion".into()),
+        prefix: Some("images/".into()),
         grpc_addr: "127.0.0.1:1".parse().unwrap(),
         http_addr: "127.0.0.1:2".parse().unwrap(),
         threads: 3,
@@ -91,6 +96,36 @@ fn decode_arguments_parse_back_to_the_same_values() {
         s3: s3(),
     };
     assert_eq!(parse_back(&args), args);
+    let whole_bucket = DecodeArgs {
+        prefix: None,
+        ..args.clone()
+    };
+    assert_eq!(parse_back(&whole_bucket), whole_bucket);
+}
+
+#[test]
+fn a_decoder_prefix_needs_its_bucket() {
+    assert!(DecodeArgs::parse_flags(["--prefix", "images/"]).is_err());
+    let unscoped = DecodeArgs::parse_flags(std::iter::empty::<String>()).expect("defaults");
+    assert_eq!((unscoped.bucket, unscoped.prefix), (None, None));
+}
+
+/// The bound adds up the parts the decoder holds: 2 threads decoding 64 Mpx at 16 bytes, 6
+/// admitted batches of 32 x (2 MiB encoded + 448² x 3), 12 requests of 4 MiB, 128 MiB.
+#[test]
+fn decoder_memory_bound_adds_up_its_parts() {
+    let args = DecodeArgs::parse_flags(std::iter::empty::<String>()).expect("defaults");
+    let batch = 32 * ((2 << 20) + 448 * 448 * 3);
+    assert_eq!(
+        args.memory_bound(2, 32, 448 * 448),
+        2 * (64 << 20) * 16 + 6 * batch + 12 * (4 << 20) + (128 << 20)
+    );
+    let smaller = DecodeArgs {
+        max_source_pixels: 16 << 20,
+        queue_depth: 2,
+        ..args.clone()
+    };
+    assert!(smaller.memory_bound(2, 32, 448 * 448) < args.memory_bound(2, 32, 448 * 448));
 }
 
 #[test]

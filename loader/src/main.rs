@@ -11,7 +11,7 @@ use stoker_loader::decode::DecodeLimits;
 use stoker_loader::profile::{ProfileConfig, run_profile};
 use stoker_loader::source::{S3Config, S3Source};
 use stoker_loader::transform::Transform;
-use stoker_loader::worker::{DecodeServer, WorkerConfig};
+use stoker_loader::worker::{DecodeServer, SourceScope, WorkerConfig};
 
 #[derive(Parser)]
 #[command(name = "stoker-loader", version, about = "stoker's data plane")]
@@ -119,6 +119,10 @@ async fn decode(args: Box<DecodeArgs>) -> anyhow::Result<()> {
             max_pixels: args.max_source_pixels,
         },
         s3: Some(s3_config(&args.s3)),
+        scope: args.bucket.clone().map(|bucket| SourceScope {
+            bucket,
+            prefix: args.prefix.clone().unwrap_or_default(),
+        }),
         drain_timeout: Duration::from_secs(args.drain_timeout_secs),
         ..WorkerConfig::default()
     };
@@ -203,7 +207,8 @@ mod tests {
             Command::Sidecar(parsed) => assert_eq!(*parsed, sidecar),
             _ => panic!("not the sidecar"),
         }
-        let decode = DecodeArgs::parse_flags(["--threads", "3"]).expect("decode flags");
+        let decode = DecodeArgs::parse_flags(["--threads", "3", "--bucket", "b", "--prefix", "p/"])
+            .expect("decode flags");
         let line = decode.command_line().expect("renders");
         match Cli::try_parse_from(argv(line)).expect("parses").command {
             Command::Decode(parsed) => assert_eq!(*parsed, decode),

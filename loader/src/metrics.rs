@@ -145,7 +145,7 @@ impl LoaderMetrics {
         let rejected = Family::<ReasonLabel, Counter>::default();
         registry.register(
             "rejected_batches",
-            "Batches refused: queue_full or draining",
+            "Batches refused, by reason: queue_full, draining, requests_in_flight, bucket_outside_pipeline, key_outside_prefix, reply_too_large, too_many_samples, invalid_transform",
             rejected.clone(),
         );
         let busy_seconds = Counter::<f64, AtomicU64>::default();

@@ -712,3 +712,116 @@ fn a_sidecar_without_the_world_size_takes_the_trainers_ranks() {
     assert_eq!(distinct.len(), 8, "ranks 2 and 3 get disjoint halves");
     assert!(seen.iter().all(|k| keys.contains(k)));
 }
+
+/// Takes the rest of an epoch through waits longer than one `next`'s timeout (a slow source):
+/// the keys delivered and the skips.
+fn consume_epoch_patiently(client: &mut TrainerClient) -> (Vec<String>, Vec<String>) {
+    let (mut keys, mut skips) = (Vec::new(), Vec::new());
+    loop {
+        match client.next(Duration::from_secs(30)).expect("next") {
+            Reply::Batch(b) => {
+                for s in &b.samples {
+                    match &s.skip {
+                        Some(reason) => skips.push(format!("{} {reason}", s.key)),
+                        None => keys.push(s.key.clone()),
+                    }
+                }
+                client.release(b.slot).expect("release");
+            }
+            Reply::Timeout => {}
+            Reply::EndOfEpoch { .. } => return (keys, skips),
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+}
+
+/// S3 throttles every GET for 60 s mid-epoch, then recovers: the batches it failed are decoded
+/// again, and the epoch reaches the trainer whole, every sample once, none skipped.
+#[test]
+fn an_s3_outage_loses_and_duplicates_nothing() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path().join("s3")).unwrap();
+    let mut keys = dataset(&server, 32, 32, 24);
+    keys.sort();
+    let w = decode_worker(&server);
+    let flags = ["--batch-size", "4", "--prefetch-batches", "2"];
+    let sc = sidecar(&server, dir.path(), &[&w], &flags);
+    let mut c = sc.connect();
+    let (mut seen, _) = take_batches(&mut c, 1);
+    server.fail_gets_for(Duration::from_secs(60), 503);
+    let (rest, skips) = consume_epoch_patiently(&mut c);
+    seen.extend(rest);
+    seen.sort();
+    assert!(skips.is_empty(), "samples skipped for S3's sake: {skips:?}");
+    assert_eq!(seen, keys, "every sample once across the outage");
+    assert!(server.failures_injected() > 0, "the outage happened");
+    assert!(sc.metric("stoker_sidecar_retries_total{reason=\"source\"}") >= 1.0);
+}
+
+/// Every GET is refused (a revoked key): the trainer hears `source_unavailable` naming the
+/// object within 30 s, never a batch with its samples missing, and a Warning Event on the
+/// DataPipeline says so.
+#[test]
+fn refused_access_stops_delivery_with_the_cause() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path().join("s3")).unwrap();
+    dataset(&server, 8, 32, 24);
+    server.fail_gets_for(Duration::from_secs(3600), 403);
+    let w = decode_worker(&server);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let cp = ControlPlane::shared();
+    let ns = rt.block_on(cp.namespace("sidecar-source"));
+    let flags = [
+        "--batch-size",
+        "4",
+        "--pipeline",
+        "laion",
+        "--pipeline-uid",
+        "5d1c0c1e-0000-4000-8000-000000000001",
+        "--workers-namespace",
+        &ns.name,
+    ];
+    let kubeconfig = [("KUBECONFIG", cp.kubeconfig_path().as_os_str())];
+    let sc = sidecar_with_env(&server, dir.path(), &[&w], &flags, &kubeconfig);
+    let mut c = sc.connect();
+    let t0 = Instant::now();
+    match c.next(Duration::from_secs(30)).expect("next") {
+        Reply::SourceUnavailable { message } => {
+            assert!(message.contains("s3://data/"), "{message}");
+            assert!(message.contains("access refused"), "{message}");
+        }
+        other => panic!("expected source_unavailable, got {other:?}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    assert!(
+        matches!(
+            c.next(Duration::from_secs(1)).expect("next"),
+            Reply::SourceUnavailable { .. }
+        ),
+        "it stays unavailable"
+    );
+    assert_eq!(sc.metric("stoker_sidecar_source_unavailable"), 1.0);
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(ns.client.clone(), &ns.name);
+    wait_until(
+        "the SourceUnavailable event",
+        Duration::from_secs(20),
+        || {
+            let list = rt
+                .block_on(events.list(&Default::default()))
+                .expect("events");
+            list.items.iter().any(|e| {
+                let about = e.regarding.as_ref();
+                e.reason.as_deref() == Some("SourceUnavailable")
+                    && e.type_.as_deref() == Some("Warning")
+                    && about.and_then(|r| r.name.as_deref()) == Some("laion")
+                    && about.and_then(|r| r.kind.as_deref()) == Some("DataPipeline")
+                    && e.note
+                        .as_deref()
+                        .is_some_and(|n| n.contains("access refused"))
+            })
+        },
+    );
+}

@@ -12,6 +12,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
+use kube_quantity::ParsedQuantity;
 use sha2::{Digest, Sha256};
 
 use super::{
@@ -19,11 +20,16 @@ use super::{
     runtime_default_seccomp,
 };
 use crate::api::{DataPipeline, LABEL_DRAINING, LABEL_ROLE, LABEL_TEMPLATE_HASH, ROLE_DECODER};
-use stoker_contract::{DECODER_GRPC_PORT, DECODER_METRICS_PORT, RenderError};
+use stoker_contract::{DECODER_GRPC_PORT, DECODER_METRICS_PORT, RenderError, ResizeMode};
 
 pub const DECODER_CONTAINER: &str = "decoder";
 const HOSTNAME_KEY: &str = "kubernetes.io/hostname";
 const ZONE_KEY: &str = "topology.kubernetes.io/zone";
+
+/// Turns off the AWS SDK's instance-metadata (IMDS) credentials and region: without it, a
+/// pipeline with no credentials Secret would read S3 as the node's instance role. Web identity
+/// (IRSA, workload identity) does not use IMDS and keeps working.
+pub const IMDS_DISABLED_ENV: &str = "AWS_EC2_METADATA_DISABLED";
 
 fn default_resources() -> ResourceRequirements {
     ResourceRequirements {
@@ -33,6 +39,75 @@ fn default_resources() -> ResourceRequirements {
         ])),
         ..ResourceRequirements::default()
     }
+}
+
+/// The decoder's resources: the pipeline's, else 1 CPU and 1Gi requested; with no memory limit
+/// set, the decoder's memory bound ([`stoker_contract::DecodeArgs::memory_bound`]: its threads
+/// decoding their largest sample, its admitted batches, its requests in flight) becomes the
+/// limit, so that a decoder past its own design is OOM-killed rather than its node's neighbours.
+fn decoder_resources(dp: &DataPipeline) -> Result<ResourceRequirements, RenderError> {
+    let mut resources = dp
+        .spec
+        .decoders
+        .resources
+        .clone()
+        .unwrap_or_else(default_resources);
+    let has_memory_limit = resources
+        .limits
+        .as_ref()
+        .is_some_and(|l| l.contains_key("memory"));
+    if !has_memory_limit {
+        let requested = resources
+            .requests
+            .as_ref()
+            .and_then(|r| r.get("memory"))
+            .and_then(|q| quantity_value(&q.0))
+            .map_or(0, |b| b.ceil() as u64);
+        let limit = decoder_memory_bound(dp)?.max(requested);
+        resources.limits.get_or_insert_with(BTreeMap::new).insert(
+            "memory".to_string(),
+            Quantity(format!("{}Mi", limit.div_ceil(1 << 20))),
+        );
+    }
+    Ok(resources)
+}
+
+/// The memory a decoder of `dp` needs at most, from the flags it runs with and the batches its
+/// sidecars send.
+pub fn decoder_memory_bound(dp: &DataPipeline) -> Result<u64, RenderError> {
+    let decode = super::loader_args::decode(dp).map_err(RenderError::Parse)?;
+    let sidecar = super::loader_args::sidecar(dp).map_err(RenderError::Parse)?;
+    let t = &sidecar.transform;
+    let output_pixels = match t.resize {
+        ResizeMode::QwenSmart => t.max_pixels,
+        ResizeMode::Crop | ResizeMode::Fit => u64::from(t.width) * u64::from(t.height),
+    };
+    Ok(decode.memory_bound(decode.threads, sidecar.batch_size as u64, output_pixels))
+}
+
+/// A quantity's value (CPUs, bytes); through f64 so that "1.5" and "500m" keep their fraction.
+fn quantity_value(q: &str) -> Option<f64> {
+    let v = ParsedQuantity::try_from(q).ok()?.to_bytes_f64()?;
+    (v.is_finite() && v >= 0.0).then_some(v)
+}
+
+/// The decoder's CPUs, rounded up: its CPU limit, else its request. Its decode threads: a
+/// decoder with no limit would otherwise start one thread per node core, and its memory bound
+/// would depend on the node it lands on.
+pub fn decoder_cpus(dp: &DataPipeline) -> usize {
+    let resources = dp
+        .spec
+        .decoders
+        .resources
+        .clone()
+        .unwrap_or_else(default_resources);
+    let cpu = |list: Option<&BTreeMap<String, Quantity>>| {
+        list.and_then(|l| l.get("cpu"))
+            .and_then(|q| quantity_value(&q.0))
+    };
+    cpu(resources.limits.as_ref())
+        .or_else(|| cpu(resources.requests.as_ref()))
+        .map_or(1, |c| (c.ceil() as usize).max(1))
 }
 
 /// S3 credentials, as environment, for decoders and sidecars.
@@ -80,11 +155,20 @@ pub fn decoder_pod_spec(
         name: DECODER_CONTAINER.to_string(),
         image: Some(defaults.loader_image(dp)),
         args: Some(super::loader_args::decoder_args(dp)?),
-        env: Some(vec![EnvVar {
-            name: stoker_contract::env::PIPELINE.to_string(),
-            value: Some(name.clone()),
-            ..EnvVar::default()
-        }]),
+        // The DataPipeline has no decoder ServiceAccount (IRSA) nor an opt-in to instance
+        // metadata: decoders read S3 with the pipeline's Secret, or not at all.
+        env: Some(vec![
+            EnvVar {
+                name: stoker_contract::env::PIPELINE.to_string(),
+                value: Some(name.clone()),
+                ..EnvVar::default()
+            },
+            EnvVar {
+                name: IMDS_DISABLED_ENV.to_string(),
+                value: Some("true".to_string()),
+                ..EnvVar::default()
+            },
+        ]),
         env_from: credentials_env_from(dp),
         ports: Some(vec![
             ContainerPort {
@@ -110,7 +194,7 @@ pub fn decoder_pod_spec(
             failure_threshold: Some(2),
             ..Probe::default()
         }),
-        resources: Some(d.resources.clone().unwrap_or_else(default_resources)),
+        resources: Some(decoder_resources(dp)?),
         security_context: Some(restricted_security_context()),
         volume_mounts: Some(vec![VolumeMount {
             name: "tmp".to_string(),
@@ -170,4 +254,98 @@ pub fn decoder_pod(dp: &DataPipeline, defaults: &BuildDefaults) -> Result<Pod, R
         spec: Some(spec),
         status: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dp() -> DataPipeline {
+        serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
+            .expect("fixture")
+    }
+
+    fn memory_limit(dp: &DataPipeline) -> Option<String> {
+        let spec = decoder_pod_spec(dp, &BuildDefaults::default()).expect("builds");
+        spec.containers[0]
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .and_then(|l| l.get("memory"))
+            .map(|q| q.0.clone())
+    }
+
+    /// The fixture's decoders request 4 CPUs and no memory limit: 4 threads decoding 64 Mpx at
+    /// 16 bytes (4 GiB), 10 admitted batches of 32 x (2 MiB + 448² x 3), 20 requests of 4 MiB,
+    /// 128 MiB for the process.
+    #[test]
+    fn the_default_memory_limit_is_the_decoders_bound() {
+        let dp = dp();
+        assert_eq!(decoder_cpus(&dp), 4);
+        let batch = 32 * ((2 << 20) + 448 * 448 * 3);
+        let bound = 4 * (64 << 20) * 16 + 10 * batch + 20 * (4 << 20) + (128 << 20);
+        assert_eq!(decoder_memory_bound(&dp).expect("bound"), bound);
+        assert_eq!(
+            memory_limit(&dp),
+            Some(format!("{}Mi", bound.div_ceil(1 << 20)))
+        );
+    }
+
+    #[test]
+    fn a_memory_limit_the_pipeline_sets_stands() {
+        let mut dp = dp();
+        let r = dp
+            .spec
+            .decoders
+            .resources
+            .get_or_insert_with(Default::default);
+        r.limits = Some(BTreeMap::from([
+            ("memory".to_string(), Quantity("3Gi".into())),
+            ("cpu".to_string(), Quantity("1500m".into())),
+        ]));
+        assert_eq!(memory_limit(&dp).as_deref(), Some("3Gi"));
+        assert_eq!(decoder_cpus(&dp), 2, "the CPU limit, rounded up");
+    }
+
+    #[test]
+    fn the_limit_is_never_below_the_request() {
+        let mut dp = dp();
+        let r = dp
+            .spec
+            .decoders
+            .resources
+            .get_or_insert_with(Default::default);
+        r.requests = Some(BTreeMap::from([
+            ("memory".to_string(), Quantity("64Gi".into())),
+            ("cpu".to_string(), Quantity("1".into())),
+        ]));
+        assert_eq!(memory_limit(&dp).as_deref(), Some("65536Mi"));
+    }
+
+    #[test]
+    fn defaults_give_one_thread_and_its_bound() {
+        let mut dp = dp();
+        dp.spec.decoders.resources = None;
+        assert_eq!(decoder_cpus(&dp), 1);
+        let bound = decoder_memory_bound(&dp).expect("bound");
+        assert_eq!(
+            memory_limit(&dp),
+            Some(format!("{}Mi", bound.div_ceil(1 << 20)))
+        );
+    }
+
+    #[test]
+    fn decoders_never_fall_back_to_instance_metadata() {
+        let mut without_secret = dp();
+        without_secret.spec.source.s3.credentials_secret_ref = None;
+        for dp in [dp(), without_secret] {
+            let spec = decoder_pod_spec(&dp, &BuildDefaults::default()).expect("builds");
+            let env = spec.containers[0].env.clone().expect("env");
+            assert!(
+                env.iter()
+                    .any(|e| e.name == IMDS_DISABLED_ENV && e.value.as_deref() == Some("true")),
+                "{env:?}"
+            );
+        }
+    }
 }

@@ -41,11 +41,22 @@ fn transform_args(dp: &DataPipeline, defaults: TransformArgs) -> TransformArgs {
     }
 }
 
-/// `stoker-loader decode` for `dp`'s decoders.
+/// `stoker-loader decode` for `dp`'s decoders: they read only the pipeline's bucket, and keys
+/// under its prefix unless a manifest lists the keys (which may lie anywhere in the bucket;
+/// the sidecar GETs them from the pipeline's bucket, not the manifest's). Threads are the
+/// pod's CPUs, so that the memory bound the pod's default limit comes from holds.
 pub fn decode(dp: &DataPipeline) -> Result<DecodeArgs, clap::Error> {
     let defaults = DecodeArgs::parse_flags(std::iter::empty::<String>())?;
+    let s3 = &dp.spec.source.s3;
+    let prefix = match (&dp.spec.source.manifest, &s3.prefix) {
+        (None, Some(prefix)) if !prefix.is_empty() => Some(prefix.clone()),
+        _ => None,
+    };
     Ok(DecodeArgs {
+        bucket: Some(s3.bucket.clone()),
+        prefix,
         grpc_addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, DECODER_GRPC_PORT)),
+        threads: super::decoder_pod::decoder_cpus(dp),
         s3: s3_args(dp, defaults.s3.clone()),
         ..defaults
     })
@@ -80,6 +91,8 @@ pub fn sidecar(dp: &DataPipeline) -> Result<SidecarArgs, clap::Error> {
         http_addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, SIDECAR_HEALTH_PORT)),
         workers_selector: Some(decoder_discovery_selector(&dp.name_any())),
         workers_namespace: dp.namespace().unwrap_or_default(),
+        pipeline: Some(dp.name_any()),
+        pipeline_uid: dp.uid(),
         workers_port: DECODER_GRPC_PORT,
         gpu_placement: spec.trainer.gpu_placement,
         slot_bytes,
@@ -126,6 +139,24 @@ mod tests {
             let line = decode.command_line().expect("renders");
             assert_eq!(DecodeArgs::parse_flags(&line[1..]).expect("parses"), decode);
         }
+    }
+
+    #[test]
+    fn decoders_serve_only_the_pipelines_source() {
+        // The crop fixture lists its keys in a manifest: the whole bucket, no prefix.
+        let manifest = dp(include_str!("../../tests/fixtures/datapipeline-crop.yaml"));
+        let args = decode(&manifest).expect("builds");
+        assert_eq!(args.bucket.as_deref(), Some("laion-subset"));
+        assert_eq!(args.prefix, None);
+        let mut listed = manifest.clone();
+        listed.spec.source.manifest = None;
+        let line = decoder_args(&listed).expect("renders").join(" ");
+        assert!(
+            line.contains("--bucket laion-subset --prefix images/"),
+            "{line}"
+        );
+        // The fixture requests 4 CPUs: four decode threads.
+        assert_eq!(decode(&listed).expect("builds").threads, 4);
     }
 
     #[test]

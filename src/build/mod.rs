@@ -245,12 +245,15 @@ mod tests {
     }
 
     #[test]
-    fn sidecar_rbac_reads_pods_only() {
+    fn sidecar_rbac_reads_pods_and_records_events_only() {
         let role = sidecar_rbac::sidecar_role(&dp());
         let rules = role.rules.expect("rules");
-        assert_eq!(rules.len(), 1);
+        assert_eq!(rules.len(), 2);
         assert_eq!(rules[0].resources, Some(vec!["pods".to_string()]));
         assert_eq!(rules[0].verbs, ["get", "list", "watch"]);
+        assert_eq!(rules[1].api_groups, Some(vec!["events.k8s.io".to_string()]));
+        assert_eq!(rules[1].resources, Some(vec!["events".to_string()]));
+        assert_eq!(rules[1].verbs, ["create", "patch"]);
         let binding = sidecar_rbac::sidecar_role_binding(&dp());
         assert_eq!(binding.subjects.expect("subjects")[0].name, "default");
     }

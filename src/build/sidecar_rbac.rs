@@ -1,5 +1,6 @@
 //! The least RBAC the loader sidecar needs: read the pipeline's decoder pods to discover them,
-//! and its own pod for the local-decode share the autoscaler writes there (read only: no write).
+//! and its own pod for the local-decode share the autoscaler writes there (read only: no
+//! write); record Events on the DataPipeline when its source refuses the samples.
 
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::ResourceExt;
@@ -10,13 +11,22 @@ use crate::api::DataPipeline;
 pub fn sidecar_role(dp: &DataPipeline) -> Role {
     Role {
         metadata: child_meta(dp, sidecar_rbac_name(&dp.name_any())),
-        rules: Some(vec![PolicyRule {
-            // list/watch cannot be narrowed by label in RBAC; pods of this namespace only.
-            api_groups: Some(vec![String::new()]),
-            resources: Some(vec!["pods".to_string()]),
-            verbs: vec!["get".to_string(), "list".to_string(), "watch".to_string()],
-            ..PolicyRule::default()
-        }]),
+        rules: Some(vec![
+            PolicyRule {
+                // list/watch cannot be narrowed by label in RBAC; pods of this namespace only.
+                api_groups: Some(vec![String::new()]),
+                resources: Some(vec!["pods".to_string()]),
+                verbs: vec!["get".to_string(), "list".to_string(), "watch".to_string()],
+                ..PolicyRule::default()
+            },
+            PolicyRule {
+                // A repeated Event is a patch of its series; Events cannot change anything else.
+                api_groups: Some(vec!["events.k8s.io".to_string()]),
+                resources: Some(vec!["events".to_string()]),
+                verbs: vec!["create".to_string(), "patch".to_string()],
+                ..PolicyRule::default()
+            },
+        ]),
     }
 }
 

@@ -34,9 +34,28 @@ struct Faults {
     /// Requests seen in total and requests failed on purpose (for assertions).
     seen: AtomicU64,
     injected: AtomicU64,
+    /// Object GETs fail with this status until the deadline (an outage, a revoked key).
+    gets: std::sync::Mutex<Option<(std::time::Instant, u16)>>,
 }
 
 impl Faults {
+    /// The failure for `req`, if one is injected: the next-`n` switch first, then the GET
+    /// outage (object GETs only: listings still answer, as when a key loses `s3:GetObject`).
+    fn for_request<B>(&self, req: &http::Request<B>) -> Option<u16> {
+        if let Some(status) = self.take() {
+            return Some(status);
+        }
+        let outage = *self.gets.lock().unwrap_or_else(|e| e.into_inner());
+        let (until, status) = outage?;
+        let object_get = req.method() == http::Method::GET
+            && req.uri().path().trim_start_matches('/').contains('/')
+            && !req.uri().query().unwrap_or("").contains("list-type");
+        (object_get && std::time::Instant::now() < until).then(|| {
+            self.injected.fetch_add(1, Ordering::SeqCst);
+            status
+        })
+    }
+
     /// Takes one injected failure if any is left.
     fn take(&self) -> Option<u16> {
         let mut cur = self.remaining.load(Ordering::SeqCst);
@@ -198,6 +217,13 @@ impl S3Server {
         self.faults.remaining.store(n, Ordering::SeqCst);
     }
 
+    /// Every object GET fails with `status` for `duration` (503 as throttling, 403 as a
+    /// revoked key); listings keep answering.
+    pub fn fail_gets_for(&self, duration: std::time::Duration, status: u16) {
+        *self.faults.gets.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((std::time::Instant::now() + duration, status));
+    }
+
     /// Requests received so far, injected failures included.
     pub fn requests_seen(&self) -> u64 {
         self.faults.seen.load(Ordering::SeqCst)
@@ -257,7 +283,7 @@ async fn serve(listener: TcpListener, service: S3Service, faults: Arc<Faults>) {
             let faults = faults.clone();
             async move {
                 faults.seen.fetch_add(1, Ordering::SeqCst);
-                if let Some(status) = faults.take() {
+                if let Some(status) = faults.for_request(&req) {
                     return Ok(fault_response(status));
                 }
                 hyper::service::Service::call(&service, req).await
@@ -275,6 +301,8 @@ async fn serve(listener: TcpListener, service: S3Service, faults: Arc<Faults>) {
 fn fault_response(status: u16) -> http::Response<s3s::Body> {
     let (code, message) = if status == 503 {
         ("SlowDown", "Please reduce your request rate.")
+    } else if status == 403 {
+        ("AccessDenied", "Access Denied")
     } else {
         (
             "InternalError",

@@ -127,3 +127,37 @@ def test_starved_pipeline_is_a_data_timeout_not_a_hang(env):
     with pytest.raises(stoker.DataTimeout, match="no batch ready"):
         client.next()
     assert 1.0 < time.monotonic() - t0 < 10
+
+
+def test_a_source_the_sidecar_cannot_read_raises_source_unavailable(tmp_path):
+    """The reply the sidecar sends when S3 refuses access (its e2e test makes the real one):
+    the client raises SourceUnavailable with the sidecar's words, not a generic error."""
+    import json
+    import socket
+    import threading
+
+    ring = tmp_path / "ring.bin"
+    ring.write_bytes(b"\0" * 4096)
+    path = str(tmp_path / "s.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    message = "s3://data/a.jpg: access refused or no such bucket"
+
+    def sidecar():
+        conn, _ = server.accept()
+        lines = conn.makefile("rb")
+        for line in lines:
+            op = json.loads(line)["op"]
+            if op == "hello":
+                reply = {"type": "hello", "shm_path": str(ring), "slots": 1, "slot_bytes": 4096}
+            else:
+                reply = {"type": "source_unavailable", "message": message}
+            conn.sendall((json.dumps(reply) + "\n").encode())
+
+    threading.Thread(target=sidecar, daemon=True).start()
+    client = stoker.Client(path, connect_timeout=5)
+    with pytest.raises(stoker.SourceUnavailable, match="access refused"):
+        client.next(timeout=5)
+    client.close()
+    server.close()

@@ -132,6 +132,7 @@ async fn next(pipeline: &Pipeline, wait: Duration, held: &mut HashSet<u32>) -> R
         }
         Some(Item::EndOfEpoch(epoch)) => Reply::EndOfEpoch { epoch },
         Some(Item::Done) => Reply::Done,
+        Some(Item::SourceUnavailable(message)) => Reply::SourceUnavailable { message },
         None => Reply::Timeout,
     }
 }

@@ -47,6 +47,8 @@ pub struct SidecarMetrics {
     pub workers: Family<StateLabel, Gauge>,
     pub local_share: Gauge<f64, AtomicU64>,
     pub epoch: Gauge,
+    /// 1 while delivery is stopped because the source refuses the samples.
+    pub source_unavailable: Gauge,
     /// The S3 source of local decode counts here.
     pub loader: std::sync::Arc<LoaderMetrics>,
 }
@@ -126,6 +128,12 @@ impl SidecarMetrics {
         );
         let epoch = Gauge::default();
         r.register("epoch", "Epoch being prefetched", epoch.clone());
+        let source_unavailable = Gauge::default();
+        r.register(
+            "source_unavailable",
+            "1 while delivery is stopped because S3 refuses the samples (access, bucket) or kept failing past --source-retry-secs",
+            source_unavailable.clone(),
+        );
         for reason in SkipReason::ALL {
             let _ = samples_skipped.get_or_create(&ReasonLabel {
                 reason: reason.as_str(),
@@ -148,6 +156,7 @@ impl SidecarMetrics {
             workers,
             local_share,
             epoch,
+            source_unavailable,
             loader: std::sync::Arc::new(LoaderMetrics::new()),
         }
     }

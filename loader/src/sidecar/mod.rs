@@ -6,6 +6,7 @@
 
 pub mod client;
 pub mod discovery;
+pub mod events;
 pub mod fleet;
 pub mod handoff;
 pub mod http;
@@ -115,8 +116,10 @@ pub async fn run(
         gpu,
         local_pool,
         workers,
+        source_down: Arc::new(tokio::sync::watch::Sender::new(None)),
     };
     let ranks = stages::open_rings(&args, &plans, &layout, &shared)?;
+    stages::report_source_events(&args, kube_client.clone(), &shared.source_down);
     stages::follow_share_annotation(&args, kube_client, &ranks);
     let http = stages::serve_http(args.http_addr, &ranks).await?;
     let serving = stages::serve_trainers(&ranks, &http)?;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::future::join_all;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio::task::AbortHandle;
 
 use super::fleet::{DecodeWorkerHandle, DecoderFleet};
@@ -31,6 +31,8 @@ pub enum Item {
     Batch(BatchHeader),
     EndOfEpoch(u64),
     Done,
+    /// The source refuses the samples from here on: every later request gets this too.
+    SourceUnavailable(String),
 }
 
 #[derive(Default)]
@@ -57,18 +59,19 @@ impl Delivery {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Adds item `seq` of stream `generation`; an item of a stream since replaced is handed
-    /// back (its slot is the caller's to free).
-    fn publish(&self, generation: u64, seq: u64, item: Item) -> Result<(), Item> {
+    /// Adds item `seq` of stream `generation`; false when that stream has been replaced (the
+    /// item is dropped, and its slot is the caller's to free).
+    #[must_use]
+    fn publish(&self, generation: u64, seq: u64, item: Item) -> bool {
         {
             let mut s = self.lock();
             if s.generation != generation {
-                return Err(item);
+                return false;
             }
             s.ready.insert(seq, item);
         }
         self.notify.notify_waiters();
-        Ok(())
+        true
     }
 
     /// Starts stream `generation` at `at`: returns the slots of the batches decoded for the
@@ -87,7 +90,7 @@ impl Delivery {
             .into_values()
             .filter_map(|item| match item {
                 Item::Batch(header) => Some(header.slot),
-                Item::EndOfEpoch(_) | Item::Done => None,
+                Item::EndOfEpoch(_) | Item::Done | Item::SourceUnavailable(_) => None,
             })
             .collect()
     }
@@ -118,9 +121,9 @@ impl Delivery {
                 let seq = s.next_seq;
                 if let Some(item) = s.ready.remove(&seq) {
                     match &item {
-                        // `Done` stays: every later request gets it too.
-                        Item::Done => {
-                            s.ready.insert(seq, Item::Done);
+                        // These stay: every later request gets them too.
+                        Item::Done | Item::SourceUnavailable(_) => {
+                            s.ready.insert(seq, item.clone());
                         }
                         Item::Batch(header) => {
                             s.next_seq += 1;
@@ -162,6 +165,8 @@ pub struct BusyTurns {
 const BUSY_PAUSE: Duration = Duration::from_millis(10);
 /// A worker that has not refused a batch by then has taken it: the next in line may ask.
 const TAKEN_AFTER: Duration = Duration::from_millis(50);
+/// First pause before a batch whose samples S3 failed is decoded again (doubling to 32x).
+const SOURCE_PAUSE: Duration = Duration::from_millis(500);
 /// Longest a waiting batch sleeps before it looks again, should a wake-up be missed.
 const TURN_RECHECK: Duration = Duration::from_millis(500);
 
@@ -214,6 +219,8 @@ pub struct Pipeline {
     pub transform: Transform,
     pub limits: DecodeLimits,
     pub batch_timeout: Duration,
+    /// How long a batch is decoded again while S3 fails transiently before delivery stops.
+    pub source_retry: Duration,
     /// Decode locally when no worker is available (and always when none is configured).
     pub local_fallback: bool,
     /// f64 bits of the share of batches decoded locally (0..=1), changeable at runtime.
@@ -226,6 +233,9 @@ pub struct Pipeline {
     pub busy_turns: BusyTurns,
     pub metrics: Arc<SidecarMetrics>,
     pub stream: Mutex<Stream>,
+    /// Why the source refuses the samples, while delivery is stopped for it (shared by the
+    /// pod's ranks; [`super::events`] reports it).
+    pub source_down: Arc<watch::Sender<Option<String>>>,
 }
 
 /// The stream of batches decoded for the trainer: for which rank, and the task that walks it.
@@ -354,6 +364,9 @@ impl Pipeline {
         }
         stream.generation += 1;
         stream.shard = shard;
+        // A new stream tries the source again.
+        self.source_down.send_replace(None);
+        self.metrics.source_unavailable.set(0);
         for slot in self.delivery.reset(stream.generation, from) {
             if let Err(err) = self.ring.release(slot) {
                 tracing::warn!(%err, "freeing a slot of the replaced stream");
@@ -420,7 +433,19 @@ impl Pipeline {
             self.metrics.inflight_batches.dec();
             return;
         }
-        let (decoded, mut lease) = self.decode(seq, batch_id, &refs, lease).await;
+        let (decoded, mut lease) = match self.decode_sourced(seq, batch_id, &refs, lease).await {
+            Ok(done) => done,
+            Err(message) => {
+                tracing::error!(%message, "source unavailable; delivery stops");
+                self.source_down.send_replace(Some(message.clone()));
+                self.metrics.source_unavailable.set(1);
+                self.metrics.inflight_batches.dec();
+                let _ = self
+                    .delivery
+                    .publish(generation, seq, Item::SourceUnavailable(message));
+                return;
+            }
+        };
         let slot_bytes = self.ring.slot_bytes();
         let slot = lease.bytes_mut();
         let mut samples = Vec::with_capacity(decoded.samples.len());
@@ -474,11 +499,7 @@ impl Pipeline {
         };
         let slot = lease.publish();
         self.metrics.inflight_batches.dec();
-        if self
-            .delivery
-            .publish(generation, seq, Item::Batch(header))
-            .is_err()
-        {
+        if !self.delivery.publish(generation, seq, Item::Batch(header)) {
             // The trainer moved the stream (seek, new rank) while this batch was decoding.
             if let Err(err) = self.ring.release(slot) {
                 tracing::warn!(%err, "freeing a slot of the replaced stream");
@@ -487,6 +508,48 @@ impl Pipeline {
         self.metrics
             .ready_batches
             .set(self.delivery.ready_batches() as i64);
+    }
+
+    /// Decodes one batch until S3 gave every sample: a transient failure (throttling, 5xx,
+    /// network, after the GET's own retries) decodes the batch again after a pause, for up to
+    /// `source_retry`; refused access or a missing bucket ends at once. A sample is never
+    /// delivered as missing because S3 was unwell. Errs with what the trainer is told.
+    async fn decode_sourced(
+        &self,
+        seq: u64,
+        batch_id: u64,
+        refs: &[SampleRef],
+        mut lease: SlotLease,
+    ) -> Result<(Decoded, SlotLease), String> {
+        let start = tokio::time::Instant::now();
+        let mut round = 0u32;
+        loop {
+            let (decoded, back) = self.decode(seq, batch_id, refs, lease).await;
+            let failed = |reason| decoded.samples.iter().find(|m| m.skip == Some(reason));
+            if let Some(m) = failed(SkipReason::SourceUnavailable) {
+                return Err(format!(
+                    "s3://{}/{}: access refused or no such bucket (credentials, bucket policy or \
+                     the bucket itself)",
+                    self.bucket, m.key
+                ));
+            }
+            let Some(m) = failed(SkipReason::S3Error) else {
+                return Ok((decoded, back));
+            };
+            if start.elapsed() >= self.source_retry {
+                return Err(format!(
+                    "s3://{}/{}: S3 kept failing for {:.0} s (throttling, server errors or network)",
+                    self.bucket,
+                    m.key,
+                    start.elapsed().as_secs_f64()
+                ));
+            }
+            tracing::warn!(key = %m.key, batch_id, round, "S3 failing; decoding the batch again");
+            self.metrics.retry("source");
+            round += 1;
+            tokio::time::sleep(SOURCE_PAUSE * (1 << round.min(5))).await;
+            lease = back;
+        }
     }
 
     /// Whether batch `seq` goes to the local decoder under the current share: spreads the
@@ -773,12 +836,12 @@ mod tests {
     #[tokio::test]
     async fn delivery_reorders_by_sequence() {
         let d = Delivery::default();
-        d.publish(0, 1, Item::EndOfEpoch(1)).unwrap();
+        assert!(d.publish(0, 1, Item::EndOfEpoch(1)));
         assert!(
             d.next(Duration::from_millis(20)).await.is_none(),
             "seq 0 is missing"
         );
-        d.publish(0, 0, Item::EndOfEpoch(0)).unwrap();
+        assert!(d.publish(0, 0, Item::EndOfEpoch(0)));
         assert!(matches!(
             d.next(Duration::ZERO).await,
             Some(Item::EndOfEpoch(0))
@@ -787,7 +850,7 @@ mod tests {
             d.next(Duration::ZERO).await,
             Some(Item::EndOfEpoch(1))
         ));
-        d.publish(0, 2, Item::Done).unwrap();
+        assert!(d.publish(0, 2, Item::Done));
         assert!(matches!(d.next(Duration::ZERO).await, Some(Item::Done)));
         assert!(
             matches!(d.next(Duration::ZERO).await, Some(Item::Done)),
@@ -813,8 +876,8 @@ mod tests {
                 route: "local".into(),
             })
         };
-        d.publish(0, 0, header(4, 8)).unwrap();
-        d.publish(0, 1, header(5, 16)).unwrap();
+        assert!(d.publish(0, 0, header(4, 8)));
+        assert!(d.publish(0, 1, header(5, 16)));
         assert!(matches!(d.next(Duration::ZERO).await, Some(Item::Batch(_))));
         assert_eq!(
             d.standing(),
@@ -834,11 +897,11 @@ mod tests {
         );
         assert_eq!(d.standing(), at);
         assert!(
-            d.publish(0, 2, header(6, 24)).is_err(),
+            !d.publish(0, 2, header(6, 24)),
             "a batch of the old stream is refused"
         );
         assert!(d.next(Duration::from_millis(10)).await.is_none());
-        d.publish(1, 0, Item::EndOfEpoch(3)).unwrap();
+        assert!(d.publish(1, 0, Item::EndOfEpoch(3)));
         assert!(matches!(
             d.next(Duration::ZERO).await,
             Some(Item::EndOfEpoch(3))

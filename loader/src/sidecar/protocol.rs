@@ -3,7 +3,8 @@
 //! Trainer → sidecar: `{"op":"hello","rank":R,"world_size":W}` (both optional),
 //! `{"op":"next","timeout_ms":N}`, `{"op":"release","slot":S}` (no answer),
 //! `{"op":"seek","epoch":E,"position":P,"seed":S,"batch_size":B,"samples":N}`.
-//! Sidecar → trainer: `hello`, `batch`, `end_of_epoch`, `done`, `timeout`, `seeked`, `error`
+//! Sidecar → trainer: `hello`, `batch`, `end_of_epoch`, `done`, `timeout`, `seeked`,
+//! `source_unavailable`, `error`
 //! (see [`Reply`]). Pixels never cross the socket: a `batch` names the slot of the ring that
 //! holds them.
 //!
@@ -127,6 +128,11 @@ pub enum Reply {
         epoch: u64,
         position: u64,
         batches: u64,
+    },
+    /// The source refuses the samples (access, a missing bucket) or kept failing past the
+    /// retry budget: delivery stopped here; a `seek` tries again.
+    SourceUnavailable {
+        message: String,
     },
     /// Nothing became ready within the request's timeout.
     Timeout,

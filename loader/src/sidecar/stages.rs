@@ -10,6 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::sync::watch;
+
 use super::discovery::{self, DnsWorkers, KubeWorkers, StaticWorkers, WorkerDiscovery};
 use super::fleet::{DecoderFleet, FleetPolicy};
 use super::metrics::SidecarMetrics;
@@ -17,7 +19,7 @@ use super::pipeline::{BusyTurns, Delivery, Pipeline, Stream};
 use super::plan::{Cursor, PlanConfig, PlanError, Shard};
 use super::protocol::{GpuInfo, HelloInfo};
 use super::ring::{SHARED_MODE, ShmRing};
-use super::{SidecarArgs, SidecarError, handoff, http};
+use super::{SidecarArgs, SidecarError, events, handoff, http};
 use crate::decode::DecodeLimits;
 use crate::gpu::{self, GpuPlacement, GpuProbe};
 use crate::source::{ManifestLocation, S3Config, S3Source, SampleRef};
@@ -59,6 +61,7 @@ pub(super) struct SharedByRanks {
     pub gpu: GpuInfo,
     pub local_pool: Arc<rayon::ThreadPool>,
     pub workers: Workers,
+    pub source_down: Arc<watch::Sender<Option<String>>>,
 }
 
 /// One trainer process served: its pipeline (which holds its ring), its `hello`, its socket.
@@ -375,6 +378,7 @@ fn pipeline_for(
             max_pixels: args.max_source_pixels,
         },
         batch_timeout: Duration::from_secs_f64(args.batch_timeout_secs.max(0.001)),
+        source_retry: Duration::from_secs(args.source_retry_secs),
         local_fallback: !args.no_local_fallback,
         local_share: AtomicU64::new(0),
         local_pool: shared.local_pool.clone(),
@@ -385,6 +389,7 @@ fn pipeline_for(
         busy_turns: BusyTurns::default(),
         metrics: shared.metrics.clone(),
         stream: Mutex::new(Stream::new(plan.shard)),
+        source_down: shared.source_down.clone(),
     });
     pipeline.set_local_share(shared.workers.local_share);
     pipeline
@@ -450,6 +455,37 @@ pub(super) fn follow_share_annotation(
             tracing::info!(share, "local decode share changed");
         },
     ));
+}
+
+/// With --pipeline, records a Warning Event on the DataPipeline while its source is down.
+pub(super) fn report_source_events(
+    args: &SidecarArgs,
+    kube_client: Option<kube::Client>,
+    source_down: &watch::Sender<Option<String>>,
+) {
+    let Some(name) = args.pipeline.clone() else {
+        return;
+    };
+    let pipeline = events::PipelineRef {
+        name,
+        namespace: args.workers_namespace.clone(),
+        uid: args.pipeline_uid.clone(),
+    };
+    let pod = args.pod_name.clone();
+    let source_down = source_down.subscribe();
+    tokio::spawn(async move {
+        let client = match kube_client {
+            Some(c) => c,
+            None => match kube::Client::try_default().await {
+                Ok(c) => c,
+                Err(err) => {
+                    tracing::info!(%err, "no Kubernetes API: source outages are logged, not recorded as Events");
+                    return;
+                }
+            },
+        };
+        events::report_source_unavailable(client, pipeline, pod, source_down).await;
+    });
 }
 
 /// Binds and serves `/metrics`, the probes and `GET /local-share`; not ready until the sockets.

@@ -34,7 +34,7 @@ pub enum SourceError {
         status: u16,
         attempts: u32,
     },
-    #[error("s3://{bucket}/{key}: access denied ({status})")]
+    #[error("s3://{bucket}/{key}: access refused or no such bucket (HTTP {status})")]
     AccessDenied {
         bucket: String,
         key: String,
@@ -80,10 +80,13 @@ impl SourceError {
         }
     }
 
-    /// How a sample that hit this error is reported in a batch.
+    /// How a sample that hit this error is reported in a batch: a missing object is the
+    /// sample's problem; refused access is the source's (no retry helps); the rest is
+    /// transient and worth another try later.
     pub fn skip_reason(&self) -> SkipReason {
         match self {
             SourceError::NotFound { .. } => SkipReason::NotFound,
+            SourceError::AccessDenied { .. } => SkipReason::SourceUnavailable,
             _ => SkipReason::S3Error,
         }
     }

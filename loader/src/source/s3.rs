@@ -110,7 +110,9 @@ fn classify<E: ProvideErrorMetadata + std::error::Error + 'static>(
         SdkError::ServiceError(ctx) => {
             let status = ctx.raw().status().as_u16();
             let code = ctx.err().code().unwrap_or_default();
-            if status == 404 || code == "NoSuchKey" {
+            if code == "NoSuchBucket" {
+                Attempt::AccessDenied(status)
+            } else if status == 404 || code == "NoSuchKey" {
                 Attempt::NotFound
             } else if status == 503 || status == 429 || code == "SlowDown" {
                 Attempt::Throttled

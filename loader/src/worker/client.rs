@@ -8,10 +8,14 @@ use tonic::transport::{Channel, Endpoint};
 use crate::proto;
 use crate::proto::decode_service_client::DecodeServiceClient;
 
-/// Largest message either side accepts: 256 x 448² x 3 with room to spare.
-pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+/// Largest reply a client accepts (the contract's gRPC message limit).
+pub const MAX_MESSAGE_BYTES: usize = stoker_contract::MAX_GRPC_MESSAGE_BYTES as usize;
+/// Largest request a client sends: what a decoder reads, so that an oversized batch fails
+/// here, before it travels.
+pub const MAX_REQUEST_BYTES: usize = stoker_contract::DecodeArgs::MAX_REQUEST_BYTES as usize;
 
-/// Stream and connection windows: a whole batch fits in flight without waiting for updates.
+/// Stream and connection windows of clients: a whole reply fits in flight without waiting for
+/// updates.
 pub(crate) const STREAM_WINDOW: u32 = 32 << 20;
 pub(crate) const CONNECTION_WINDOW: u32 = 128 << 20;
 pub(crate) const MAX_FRAME: u32 = 1 << 20;
@@ -42,7 +46,7 @@ impl DecodeClient {
         Self {
             inner: DecodeServiceClient::new(channel)
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+                .max_encoding_message_size(MAX_REQUEST_BYTES),
         }
     }
 
@@ -50,6 +54,13 @@ impl DecodeClient {
         &mut self,
         request: proto::DecodeBatchRequest,
     ) -> Result<proto::DecodeBatchReply, tonic::Status> {
+        // tonic's own encoding limit resets the stream ("h2 protocol error"); this says why.
+        let len = prost::Message::encoded_len(&request);
+        if len > MAX_REQUEST_BYTES {
+            return Err(tonic::Status::out_of_range(format!(
+                "a DecodeBatch request of {len} bytes exceeds the decoders' limit of {MAX_REQUEST_BYTES} (DecodeArgs::MAX_REQUEST_BYTES): fewer samples or less metadata per batch"
+            )));
+        }
         Ok(self.inner.decode_batch(request).await?.into_inner())
     }
 }

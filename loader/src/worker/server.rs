@@ -12,7 +12,12 @@ use futures::StreamExt;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
-use super::client::{CONNECTION_WINDOW, MAX_FRAME, MAX_MESSAGE_BYTES, STREAM_WINDOW};
+use stoker_contract::{DecodeArgs, LoaderCommand, MAX_GRPC_MESSAGE_BYTES};
+
+use super::client::MAX_FRAME;
+use super::gate::RequestGate;
+use super::limits::{CGROUP_CPU_MAX, decode_threads};
+use super::scope::SourceScope;
 use super::service::{DecodeWorker, WorkerState};
 use crate::decode::DecodeLimits;
 use crate::metrics::LoaderMetrics;
@@ -23,14 +28,17 @@ use crate::source::{S3Config, S3Source};
 pub struct WorkerConfig {
     pub grpc_addr: SocketAddr,
     pub http_addr: SocketAddr,
-    /// Decode threads; 0 means one per core.
+    /// Decode threads; 0 means the container's CPU limit, else one per core.
     pub threads: usize,
-    /// Batches admitted at once (fetching, queued or decoding); more are refused.
+    /// Batches admitted at once (fetching, queued or decoding); more are refused. 0 means
+    /// [`DecodeArgs::admitted_batches`].
     pub queue_depth: usize,
     pub max_batch_samples: usize,
     pub limits: DecodeLimits,
     /// None: only inline samples can be decoded.
     pub s3: Option<S3Config>,
+    /// The pipeline's bucket and prefix; None (local runs, bench) reads any, with a warning.
+    pub scope: Option<SourceScope>,
     /// Longest wait for in-flight batches after SIGTERM.
     pub drain_timeout: Duration,
 }
@@ -45,10 +53,14 @@ impl Default for WorkerConfig {
             max_batch_samples: 1024,
             limits: DecodeLimits::default(),
             s3: None,
+            scope: None,
             drain_timeout: Duration::from_secs(60),
         }
     }
 }
+
+/// Headers of one request: gRPC's are a few hundred bytes.
+const REQUEST_HEADER_BYTES: u32 = 16 << 10;
 
 /// A bound, not yet serving, worker: addresses are known (port 0 resolved) before serving.
 pub struct DecodeServer {
@@ -86,17 +98,22 @@ impl DecodeServer {
         self,
         shutdown: impl std::future::Future<Output = ()> + Send,
     ) -> anyhow::Result<()> {
-        let threads = if self.config.threads == 0 {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        } else {
-            self.config.threads
+        let threads = decode_threads(self.config.threads, std::path::Path::new(CGROUP_CPU_MAX));
+        let sizing = DecodeArgs {
+            queue_depth: self.config.queue_depth,
+            max_source_pixels: self.config.limits.max_pixels,
+            ..DecodeArgs::parse_flags(std::iter::empty::<String>())?
         };
-        let queue_depth = if self.config.queue_depth == 0 {
-            // Enough to keep the pool busy while the next batches' GETs are in flight.
-            threads * 2 + 2
-        } else {
-            self.config.queue_depth
-        };
+        let queue_depth = sizing.admitted_batches(threads);
+        let requests_in_flight = sizing.requests_in_flight(threads);
+        match &self.config.scope {
+            Some(scope) => {
+                tracing::info!(bucket = %scope.bucket, prefix = %scope.prefix, "serving only this source");
+            }
+            None => tracing::warn!(
+                "no --bucket: requests may name any bucket and key the S3 credentials can read"
+            ),
+        }
         let pool = Arc::new(
             rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
@@ -114,10 +131,14 @@ impl DecodeServer {
             queue_depth,
             self.config.limits,
             self.config.max_batch_samples,
-        );
+        )
+        .with_scope(self.config.scope.clone());
+        // Requests carry keys, not pixels: a larger one is refused from its length prefix,
+        // before its body is buffered.
         let service = DecodeServiceServer::new(worker)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            .max_decoding_message_size(DecodeArgs::MAX_REQUEST_BYTES as usize)
+            .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES as usize);
+        let service = RequestGate::new(service, requests_in_flight, self.state.metrics.clone());
 
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let grpc_incoming = TcpListenerStream::new(self.grpc).map(|conn| {
@@ -127,10 +148,13 @@ impl DecodeServer {
             conn
         });
         let mut grpc_stop = stop_rx.clone();
+        // These windows bound what a client may send ahead (requests, small); the client's own
+        // windows let replies stream.
         let grpc = tonic::transport::Server::builder()
-            .initial_stream_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
+            .initial_stream_window_size(DecodeArgs::MAX_REQUEST_BYTES as u32)
+            .initial_connection_window_size(2 * DecodeArgs::MAX_REQUEST_BYTES as u32)
             .max_frame_size(MAX_FRAME)
+            .http2_max_header_list_size(REQUEST_HEADER_BYTES)
             .add_service(service)
             .serve_with_incoming_shutdown(grpc_incoming, async move {
                 let _ = grpc_stop.wait_for(|s| *s).await;
@@ -169,7 +193,12 @@ impl DecodeServer {
             }
             let _ = stop_tx.send(true);
         };
-        tracing::info!(threads, queue_depth, "decode worker serving");
+        tracing::info!(
+            threads,
+            queue_depth,
+            requests_in_flight,
+            "decode worker serving"
+        );
         let (g, h, ()) = tokio::join!(grpc, async { http.await }, drain);
         g?;
         h?;

@@ -10,6 +10,8 @@ use tokio::sync::{Semaphore, oneshot};
 use tonic::{Request, Response, Status};
 
 use super::convert::{meta_to_proto, transform_from_proto};
+use super::limits::reply_pixel_bytes;
+use super::scope::SourceScope;
 use crate::batch::{EncodedSample, decode_batch};
 use crate::decode::DecodeLimits;
 use crate::metrics::LoaderMetrics;
@@ -67,6 +69,7 @@ pub struct DecodeWorker {
     queue: Arc<Semaphore>,
     limits: DecodeLimits,
     max_batch_samples: usize,
+    scope: Option<SourceScope>,
 }
 
 impl DecodeWorker {
@@ -89,7 +92,63 @@ impl DecodeWorker {
             queue: Arc::new(Semaphore::new(queue_depth.max(1))),
             limits,
             max_batch_samples,
+            scope: None,
         }
+    }
+
+    /// Serves only `scope`'s bucket and prefix; `None` serves any.
+    pub fn with_scope(mut self, scope: Option<SourceScope>) -> Self {
+        self.scope = scope;
+        self
+    }
+
+    /// Everything checked before a batch takes a place in the queue: no GET, no allocation
+    /// for a request that will be refused.
+    fn check(
+        &self,
+        req: &proto::DecodeBatchRequest,
+        peer: Option<std::net::SocketAddr>,
+    ) -> Result<crate::transform::Transform, Status> {
+        let metrics = &self.state.metrics;
+        if let Some(scope) = &self.scope
+            && let Err(violation) = scope.check(req)
+        {
+            metrics.reject(violation.category());
+            // Names and keys only: credentials never reach a request or this line.
+            tracing::warn!(
+                peer = ?peer,
+                reason = violation.category(),
+                batch_id = req.batch_id,
+                "refused: {violation}"
+            );
+            return Err(Status::permission_denied(format!(
+                "{violation}; this decoder serves s3://{}/{}",
+                scope.bucket, scope.prefix
+            )));
+        }
+        if req.samples.len() > self.max_batch_samples {
+            metrics.reject("too_many_samples");
+            return Err(Status::invalid_argument(format!(
+                "{} samples in one batch; the limit is {}",
+                req.samples.len(),
+                self.max_batch_samples
+            )));
+        }
+        let transform = transform_from_proto(req.transform.as_ref()).map_err(|e| {
+            metrics.reject("invalid_transform");
+            Status::invalid_argument(e.to_string())
+        })?;
+        if let Err(bytes) = reply_pixel_bytes(req.samples.len(), &transform) {
+            metrics.reject("reply_too_large");
+            return Err(Status::resource_exhausted(format!(
+                "{} samples of up to {} pixels need up to {bytes} bytes of pixels; one reply carries at most {} (MAX_BATCH_PIXEL_BYTES, within the {} byte gRPC message limit): send smaller batches",
+                req.samples.len(),
+                super::limits::max_output_pixels(&transform),
+                stoker_contract::MAX_BATCH_PIXEL_BYTES,
+                stoker_contract::MAX_GRPC_MESSAGE_BYTES,
+            )));
+        }
+        Ok(transform)
     }
 
     async fn fetch(&self, bucket: &str, s: proto::SampleRef) -> EncodedSample {
@@ -128,21 +187,14 @@ impl DecodeService for DecodeWorker {
             metrics.reject("draining");
             return Err(Status::unavailable("worker is draining"));
         }
+        let peer = request.remote_addr();
+        let req = request.into_inner();
+        let transform = self.check(&req, peer)?;
         // Push back instead of buffering: the caller picks another worker or waits.
         let Ok(permit) = self.queue.clone().try_acquire_owned() else {
             metrics.reject("queue_full");
             return Err(Status::resource_exhausted("decode queue full"));
         };
-        let req = request.into_inner();
-        if req.samples.len() > self.max_batch_samples {
-            return Err(Status::invalid_argument(format!(
-                "{} samples in one batch; the limit is {}",
-                req.samples.len(),
-                self.max_batch_samples
-            )));
-        }
-        let transform = transform_from_proto(req.transform.as_ref())
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let n = req.samples.len() as i64;
         self.state.inflight.fetch_add(1, Ordering::SeqCst);
         metrics.inflight_batches.inc();

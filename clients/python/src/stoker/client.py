@@ -35,6 +35,13 @@ class DataTimeout(StokerError):
     """The sidecar is alive but had no batch ready within the timeout."""
 
 
+class SourceUnavailable(StokerError):
+    """The data source refuses the samples (access denied, expired credentials, a bucket gone)
+    or kept failing past the sidecar's retry budget. Delivery stopped rather than hand over
+    batches with samples missing; the message names the object and the cause. Once the source
+    is fixed, ``Stream.load_state_dict`` (a seek) resumes where the trainer stands."""
+
+
 class PermissionDenied(StokerError, PermissionError):
     """The sidecar's socket or ring exists but this process may not use it (no shared group)."""
 
@@ -379,6 +386,8 @@ class Client:
             return None
         if kind == "timeout":
             raise DataTimeout("no batch ready within %.0fs (the sidecar is up; check its decode workers)" % timeout)
+        if kind == "source_unavailable":
+            raise SourceUnavailable(reply["message"])
         raise StokerError("sidecar error: %s" % reply.get("message", reply))
 
     def seek(self, epoch: int, position: int, seed: int, batch_size: int, samples: int) -> Dict[str, Any]:
