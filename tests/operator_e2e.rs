@@ -437,3 +437,95 @@ async fn a_failed_decoder_is_replaced_and_reported() {
     assert!(uids(&before[1..]).is_subset(&uids(&after)));
     op.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_whose_decoders_cannot_be_created_is_degraded_with_an_event() {
+    use k8s_openapi::api::core::v1::ResourceQuota;
+    use k8s_openapi::api::events::v1::Event;
+    let cp = ControlPlane::shared();
+    let ns = cp.namespace("op-quota").await;
+    install_crd(&ns.client).await;
+    // The CRD admits the pipeline; the namespace's quota forbids every pod it needs.
+    let quotas: Api<ResourceQuota> = Api::namespaced(ns.client.clone(), &ns.name);
+    quotas
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "no-pods"},
+                "spec": {"hard": {"pods": "0"}}
+            }))
+            .expect("quota"),
+        )
+        .await
+        .expect("create quota");
+    let op = Operator::start(ns.client.clone(), &ns.name, None).await;
+    let dps: Api<DataPipeline> = Api::namespaced(ns.client.clone(), &ns.name);
+    dps.create(&PostParams::default(), &pipeline("blocked", 2, 1))
+        .await
+        .expect("create pipeline");
+    let degraded = eventually("Degraded=True", Duration::from_secs(60), || async {
+        let dp = dps.get("blocked").await.ok()?;
+        dp.status?
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == "Degraded" && c.status == "True")
+    })
+    .await;
+    assert_eq!(degraded.reason, "Forbidden", "{degraded:?}");
+    assert!(
+        degraded.message.contains("create Pod") && degraded.message.contains("quota"),
+        "the API server's reason: {}",
+        degraded.message
+    );
+    let events: Api<Event> = Api::namespaced(ns.client.clone(), &ns.name);
+    let event = eventually("a Warning Event", Duration::from_secs(30), || async {
+        events
+            .list(&Default::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .find(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("blocked")
+                    && e.reason.as_deref() == Some("Forbidden")
+            })
+    })
+    .await;
+    assert_eq!(event.type_.as_deref(), Some("Warning"));
+    assert!(
+        event.note.as_deref().unwrap_or("").contains("quota"),
+        "{event:?}"
+    );
+    // Retries back off: in 20 s a pipeline failing every 5 s, 10 s, 20 s... makes one Event
+    // series whose count grows slowly, never an Event per retry.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let forbidden: Vec<Event> = events
+        .list(&Default::default())
+        .await
+        .expect("events")
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("Forbidden"))
+        .collect();
+    assert_eq!(forbidden.len(), 1, "one deduplicated Event: {forbidden:?}");
+    let count = forbidden[0].series.as_ref().map_or(1, |s| s.count);
+    assert!(
+        count <= 4,
+        "backoff, not a retry every 5 s: {count} failures in ~25 s"
+    );
+    // Lifting the quota heals the pipeline.
+    quotas
+        .delete("no-pods", &DeleteParams::default())
+        .await
+        .expect("delete quota");
+    wait_ready_decoders(&ns.client, &ns.name, "blocked", 2).await;
+    eventually("Degraded=False", Duration::from_secs(330), || async {
+        let dp = dps.get("blocked").await.ok()?;
+        dp.status?
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == "Degraded" && c.status == "False")
+    })
+    .await;
+    op.stop().await;
+}

@@ -3,6 +3,7 @@
 
 mod operator_support;
 
+use kube::Resource;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use operator_support::*;
 use serde_json::{Value, json};
@@ -53,10 +54,29 @@ fn without(mut v: Value, path: &str) -> Value {
     v
 }
 
-/// Creates untyped, so that values the Rust types would refuse reach the API server.
-async fn refused(api: &Api<DynamicObject>, obj: Value) -> String {
-    let dp: DynamicObject = serde_json::from_value(obj.clone()).expect("object");
-    match api.create(&PostParams::default(), &dp).await {
+/// Creates untyped, so that values the Rust types would refuse reach the API server, with
+/// `fieldValidation=Strict` as kubectl sends it (kube's `PostParams` has no such field).
+async fn create_strict(
+    client: &kube::Client,
+    namespace: &str,
+    obj: &Value,
+) -> Result<DynamicObject, kube::Error> {
+    let ar = ApiResource::erase::<DataPipeline>(&());
+    let url = DynamicObject::url_path(&ar, Some(namespace));
+    let body = serde_json::to_vec(obj).expect("json");
+    let mut req = kube::core::Request::new(url)
+        .create(&PostParams::default(), body)
+        .expect("request");
+    let uri = req.uri().to_string();
+    let sep = if uri.contains('?') { '&' } else { '?' };
+    *req.uri_mut() = format!("{uri}{sep}fieldValidation=Strict")
+        .parse()
+        .expect("uri");
+    client.request(req).await
+}
+
+async fn refused(client: &kube::Client, namespace: &str, obj: Value) -> String {
+    match create_strict(client, namespace, &obj).await {
         Err(kube::Error::Api(s)) => s.message.clone(),
         Ok(_) => panic!("accepted an invalid pipeline: {obj}"),
         Err(e) => panic!("unexpected error: {e}"),
@@ -69,11 +89,6 @@ async fn invalid_pipelines_are_refused_with_a_message_naming_the_field() {
     let ns = cp.namespace("op-invalid").await;
     install_crd(&ns.client).await;
     let api: Api<DataPipeline> = Api::namespaced(ns.client.clone(), &ns.name);
-    let untyped: Api<DynamicObject> = Api::namespaced_with(
-        ns.client.clone(),
-        &ns.name,
-        &ApiResource::erase::<DataPipeline>(&()),
-    );
 
     let cases: Vec<(&str, Value, &str)> = vec![
         (
@@ -140,7 +155,7 @@ async fn invalid_pipelines_are_refused_with_a_message_naming_the_field() {
         (
             "endpoint without scheme",
             with(base("g"), "spec.source.s3.endpoint", json!("minio:9000")),
-            "source.s3.endpoint must start with http",
+            "source.s3.endpoint must be an http:// or https:// URL with a host",
         ),
         (
             "sharedMemory not a quantity",
@@ -224,14 +239,167 @@ async fn invalid_pipelines_are_refused_with_a_message_naming_the_field() {
             "spec.decoders.tolerations",
         ),
     ];
+    let limits: Vec<(&str, Value, &str)> = vec![
+        (
+            "endpoint with another scheme",
+            with(
+                base("u1"),
+                "spec.source.s3.endpoint",
+                json!("ftp://minio:21"),
+            ),
+            "source.s3.endpoint must be an http:// or https:// URL with a host",
+        ),
+        (
+            "endpoint without a host",
+            with(base("u2"), "spec.source.s3.endpoint", json!("http://")),
+            "source.s3.endpoint must be an http:// or https:// URL with a host",
+        ),
+        (
+            "batch above a decoder's limit",
+            with(
+                with(base("u3"), "spec.batch.size", json!(1025)),
+                "spec.transform.resize",
+                json!({"mode": "crop", "width": 8, "height": 8}),
+            ),
+            "batch.size must be at most 1024: a decoder refuses larger batches",
+        ),
+        (
+            "output above a decoder's largest",
+            with(
+                with(base("u4"), "spec.batch.size", json!(1)),
+                "spec.transform.resize",
+                json!({"mode": "crop", "width": 4096, "height": 4096}),
+            ),
+            "transform.resize.width × height must be at most 12845056 pixels",
+        ),
+        (
+            "qwenSmart maxPixels above a decoder's largest",
+            with(
+                with(base("u5"), "spec.batch.size", json!(1)),
+                "spec.transform.resize",
+                json!({"mode": "qwenSmart", "minPixels": 1, "maxPixels": 20000000}),
+            ),
+            "transform.resize.maxPixels must be at most 12845056",
+        ),
+        (
+            "batch larger than one gRPC reply",
+            with(
+                with(
+                    with(base("u6"), "spec.batch.size", json!(1024)),
+                    "spec.trainer.sharedMemory",
+                    json!("64Gi"),
+                ),
+                "spec.transform.resize",
+                json!({"mode": "crop", "width": 448, "height": 448}),
+            ),
+            "must be at most 251658240 (240 MiB): a batch travels in one gRPC reply",
+        ),
+        (
+            "node selector value not a label value",
+            with(
+                base("u7"),
+                "spec.decoders.nodeSelector",
+                json!({"pool": "has space"}),
+            ),
+            "decoders.nodeSelector values must be label values",
+        ),
+        (
+            "node selector value too long for a label",
+            with(
+                base("u7b"),
+                "spec.decoders.nodeSelector",
+                json!({"pool": "a".repeat(64)}),
+            ),
+            "spec.decoders.nodeSelector.pool: Too long: may not be more than 63",
+        ),
+        (
+            "node selector key not a label key",
+            with(
+                base("u8"),
+                "spec.decoders.nodeSelector",
+                json!({"bad key!": "x"}),
+            ),
+            "decoders.nodeSelector keys must be label keys",
+        ),
+        (
+            "toleration value not a label value",
+            with(
+                base("u9"),
+                "spec.decoders.tolerations",
+                json!([{"key": "gpu", "operator": "Equal", "value": "not a label"}]),
+            ),
+            "decoders.tolerations values must be label values",
+        ),
+        (
+            "toleration effect unknown",
+            with(
+                base("u10"),
+                "spec.decoders.tolerations",
+                json!([{"key": "gpu", "operator": "Exists", "effect": "Never"}]),
+            ),
+            "decoders.tolerations: effect must be NoSchedule",
+        ),
+        (
+            "resource quantity that does not parse",
+            with(
+                base("u11"),
+                "spec.decoders.resources",
+                json!({"requests": {"cpu": "two"}}),
+            ),
+            "decoders.resources.requests and decoders.resources.limits must be non-negative quantities",
+        ),
+        (
+            "requests above limits",
+            with(
+                base("u12"),
+                "spec.decoders.resources",
+                json!({"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}}),
+            ),
+            "decoders.resources.requests must not exceed decoders.resources.limits",
+        ),
+    ];
     assert!(cases.len() >= 15);
-    for (what, obj, expected) in cases {
-        let message = refused(&untyped, obj).await;
+    for (what, obj, expected) in cases.into_iter().chain(limits) {
+        let message = refused(&ns.client, &ns.name, obj).await;
         assert!(
             message.contains(expected),
             "{what}: expected {expected:?} in {message:?}"
         );
     }
+
+    // Under Strict, a field the schema does not know is refused, not silently dropped.
+    let message = refused(
+        &ns.client,
+        &ns.name,
+        with(base("unknown"), "spec.batch.sise", json!(64)),
+    )
+    .await;
+    assert!(
+        message.contains("unknown field") && message.contains("spec.batch.sise"),
+        "{message}"
+    );
+    // Values at the limits pass: integer quantities, a labelled node pool, the largest batch.
+    let at_limits = with(
+        with(
+            with(
+                with(base("at-limits"), "spec.batch.size", json!(1024)),
+                "spec.transform.resize",
+                json!({"mode": "crop", "width": 224, "height": 224}),
+            ),
+            "spec.trainer.sharedMemory",
+            json!("2Gi"),
+        ),
+        "spec.decoders",
+        json!({
+            "minReplicas": 1, "maxReplicas": 4,
+            "resources": {"requests": {"cpu": 1, "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "1Gi"}},
+            "nodeSelector": {"node.kubernetes.io/pool": "decode-a"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        }),
+    );
+    create_strict(&ns.client, &ns.name, &at_limits)
+        .await
+        .expect("a pipeline at every limit is accepted");
 
     // Immutable fields: accepted on create, refused on change.
     api.create(

@@ -71,7 +71,8 @@ use serde::{Deserialize, Serialize};
     validation = kube::core::Rule::new(
         // stoker_contract::ring_bytes, with HELD_BATCHES = 2 (the tests hold the two together).
         "!isQuantity(self.trainer.sharedMemory) || quantity(self.trainer.sharedMemory).asApproximateFloat() >= double((self.trainer.prefetchBatches + 2) * self.batch.size * 3) * double(self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0))"
-    ).message("trainer.sharedMemory is too small for the ring: it must hold (trainer.prefetchBatches + 2 held by the trainer) × batch.size × (width × height, or maxPixels) × 3 bytes").field_path(".trainer.sharedMemory")
+    ).message("trainer.sharedMemory is too small for the ring: it must hold (trainer.prefetchBatches + 2 held by the trainer) × batch.size × (width × height, or maxPixels) × 3 bytes").field_path(".trainer.sharedMemory"),
+    validation = rules::batch_fits_one_reply(),
 )]
 #[serde(rename_all = "camelCase")]
 pub struct DataPipelineSpec {
@@ -80,7 +81,10 @@ pub struct DataPipelineSpec {
     /// How each image is resized before batching.
     pub transform: Transform,
     /// How samples are grouped; immutable because running trainers' epoch plans depend on it.
-    #[x_kube(validation = kube::core::Rule::new("self == oldSelf").message("batch is immutable: running trainers' epoch order depends on it; create a new DataPipeline instead"))]
+    #[x_kube(
+        validation = kube::core::Rule::new("self == oldSelf").message("batch is immutable: running trainers' epoch order depends on it; create a new DataPipeline instead"),
+        validation = rules::batch_size(),
+    )]
     pub batch: Batch,
     /// The trainer side: prefetch depth, shared-memory ring, GPU placement.
     #[serde(default)]
@@ -123,7 +127,7 @@ pub struct S3Source {
     /// Endpoint URL for S3-compatible stores (MinIO, Ceph); AWS when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 8, max = 2048))]
-    #[x_kube(validation = kube::core::Rule::new("self.startsWith('http://') || self.startsWith('https://')").message("source.s3.endpoint must start with http:// or https://"))]
+    #[x_kube(validation = kube::core::Rule::new("isURL(self) && url(self).getScheme() in ['http', 'https'] && url(self).getHostname() != ''").message("source.s3.endpoint must be an http:// or https:// URL with a host, e.g. http://minio.storage:9000"))]
     pub endpoint: Option<String>,
     /// Region, e.g. us-east-1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -163,6 +167,9 @@ pub struct Transform {
     validation = kube::core::Rule::new("self.mode != 'qwenSmart' || (!has(self.width) && !has(self.height))").message("transform.resize.width and height do not apply to mode qwenSmart: use minPixels and maxPixels"),
     validation = kube::core::Rule::new("self.mode == 'qwenSmart' || (!has(self.patchFactor) && !has(self.minPixels) && !has(self.maxPixels))").message("transform.resize.patchFactor, minPixels and maxPixels apply only to mode qwenSmart"),
     validation = kube::core::Rule::new("self.mode != 'qwenSmart' || (has(self.minPixels) && has(self.maxPixels) && self.minPixels <= self.maxPixels)").message("mode qwenSmart needs transform.resize.minPixels <= transform.resize.maxPixels"),
+    validation = rules::output_pixels(),
+    validation = rules::max_pixels(),
+    validation = kube::core::Rule::new("!has(self.patchFactor) || !has(self.maxPixels) || self.patchFactor * self.patchFactor <= self.maxPixels").message("transform.resize.patchFactor² must not exceed transform.resize.maxPixels: no image of a single patch would fit"),
 )]
 pub struct Resize {
     pub mode: ResizeMode,
@@ -288,13 +295,44 @@ pub struct Decoders {
     #[schemars(length(min = 1, max = 512))]
     pub image: Option<String>,
     /// Resources of each decoder pod (default: 1 CPU, 1Gi requested).
+    /// The bounds (not in k8s-openapi's schema) keep the quantity rules within the API server's
+    /// CEL cost budget.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("properties" = {
+        "claims": {"type": "array", "maxItems": 16, "items": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "maxLength": 253}, "request": {"type": "string", "maxLength": 253}}}},
+        "limits": {"type": "object", "maxProperties": 16, "description": "Most each decoder may use.",
+            "additionalProperties": {"x-kubernetes-int-or-string": true, "maxLength": 64}},
+        "requests": {"type": "object", "maxProperties": 16, "description": "What each decoder is scheduled with.",
+            "additionalProperties": {"x-kubernetes-int-or-string": true, "maxLength": 64}}
+    }))]
+    #[x_kube(
+        validation = kube::core::Rule::new(rules::QUANTITIES_PARSE).message("decoders.resources.requests and decoders.resources.limits must be non-negative quantities such as 500m, 2 or 4Gi"),
+        validation = kube::core::Rule::new(rules::REQUESTS_WITHIN_LIMITS).message("decoders.resources.requests must not exceed decoders.resources.limits for the same resource"),
+    )]
     pub resources: Option<ResourceRequirements>,
+    /// Node labels decoder pods must land on.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[schemars(extend("maxProperties" = 32))]
+    #[schemars(extend("maxProperties" = 32, "additionalProperties" = {"type": "string", "maxLength": 63}))]
+    #[x_kube(
+        validation = rules::node_selector_keys(),
+        validation = rules::node_selector_values(),
+    )]
     pub node_selector: BTreeMap<String, String>,
+    /// Taints decoder pods tolerate.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 32))]
+    #[schemars(length(max = 32), extend("items" = {"type": "object", "properties": {
+        "key": {"type": "string", "maxLength": 317, "description": "Taint key; empty with operator Exists matches every taint."},
+        "operator": {"type": "string", "maxLength": 16, "description": "Exists or Equal (the default)."},
+        "value": {"type": "string", "maxLength": 63, "description": "Taint value (operator Equal)."},
+        "effect": {"type": "string", "maxLength": 32, "description": "NoSchedule, PreferNoSchedule or NoExecute; empty matches all."},
+        "tolerationSeconds": {"type": "integer", "format": "int64", "description": "How long a NoExecute taint is tolerated."}
+    }}))]
+    #[x_kube(
+        validation = rules::toleration_keys(),
+        validation = rules::toleration_values(),
+        validation = kube::core::Rule::new("self.all(t, (!has(t.effect) || t.effect in ['', 'NoSchedule', 'PreferNoSchedule', 'NoExecute']) && (!has(t.operator) || t.operator in ['', 'Exists', 'Equal']) && (!has(t.operator) || t.operator != 'Exists' || !has(t.value) || t.value == ''))").message("decoders.tolerations: effect must be NoSchedule, PreferNoSchedule or NoExecute, operator Exists or Equal, and an Exists toleration has no value"),
+    )]
     pub tolerations: Vec<Toleration>,
     #[serde(default)]
     pub spread: Spread,
@@ -511,6 +549,105 @@ pub struct ScaleRecord {
     pub reason: String,
 }
 
+/// Rules whose limits come from `stoker_contract`, so the CRD refuses exactly what a decoder,
+/// the decode RPC or the pod API would refuse later, silently, in the fleet.
+mod rules {
+    use kube::core::Rule;
+    use stoker_contract::{
+        MAX_BATCH_PIXEL_BYTES, MAX_BATCH_SAMPLES, MAX_GRPC_MESSAGE_BYTES, MAX_OUTPUT_PIXELS,
+    };
+
+    /// A label value: at most 63 characters, alphanumerics, `-`, `_`, `.`, alphanumeric at both
+    /// ends (the pod API's rule).
+    const LABEL_VALUE: &str = "^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$";
+    /// A qualified name: an optional DNS-subdomain prefix and `/`, then a name of at most 63.
+    const QUALIFIED_NAME: &str = "^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$";
+
+    /// Quantities are int-or-string: `string()` takes both to the text `quantity()` parses.
+    pub const QUANTITIES_PARSE: &str = "(!has(self.requests) || self.requests.all(k, isQuantity(string(self.requests[k])) && quantity(string(self.requests[k])).compareTo(quantity('0')) >= 0)) && (!has(self.limits) || self.limits.all(k, isQuantity(string(self.limits[k])) && quantity(string(self.limits[k])).compareTo(quantity('0')) >= 0))";
+    pub const REQUESTS_WITHIN_LIMITS: &str = "!has(self.requests) || !has(self.limits) || self.requests.all(k, !(k in self.limits) || !isQuantity(string(self.requests[k])) || !isQuantity(string(self.limits[k])) || quantity(string(self.requests[k])).compareTo(quantity(string(self.limits[k]))) <= 0)";
+
+    fn rule(rule: String, message: String) -> Rule {
+        Rule::new(rule).message(message.as_str())
+    }
+
+    fn mib(bytes: u64) -> u64 {
+        bytes >> 20
+    }
+
+    /// The sample pixels of the output, whichever the mode (0 while a rule above refuses it).
+    pub const OUTPUT_PIXELS: &str = "(self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0))";
+
+    pub fn batch_size() -> Rule {
+        rule(
+            format!("self.size <= {MAX_BATCH_SAMPLES}"),
+            format!(
+                "batch.size must be at most {MAX_BATCH_SAMPLES}: a decoder refuses larger batches"
+            ),
+        )
+    }
+
+    pub fn batch_fits_one_reply() -> Rule {
+        rule(
+            format!("self.batch.size * 3 * {OUTPUT_PIXELS} <= {MAX_BATCH_PIXEL_BYTES}"),
+            format!(
+                "batch.size × (width × height, or maxPixels) × 3 bytes must be at most {MAX_BATCH_PIXEL_BYTES} ({} MiB): a batch travels in one gRPC reply of at most {} MiB",
+                mib(MAX_BATCH_PIXEL_BYTES),
+                mib(MAX_GRPC_MESSAGE_BYTES)
+            ),
+        )
+        .field_path(".batch.size")
+    }
+
+    pub fn output_pixels() -> Rule {
+        rule(
+            format!(
+                "!has(self.width) || !has(self.height) || self.width * self.height <= {MAX_OUTPUT_PIXELS}"
+            ),
+            format!(
+                "transform.resize.width × height must be at most {MAX_OUTPUT_PIXELS} pixels, the largest output a decoder produces"
+            ),
+        )
+    }
+
+    pub fn max_pixels() -> Rule {
+        rule(
+            format!("!has(self.maxPixels) || self.maxPixels <= {MAX_OUTPUT_PIXELS}"),
+            format!(
+                "transform.resize.maxPixels must be at most {MAX_OUTPUT_PIXELS}, the largest output a decoder produces"
+            ),
+        )
+    }
+
+    pub fn node_selector_keys() -> Rule {
+        rule(
+            format!("self.all(k, k.size() <= 317 && k.matches('{QUALIFIED_NAME}'))"),
+            "decoders.nodeSelector keys must be label keys: an optional DNS prefix and '/', then at most 63 alphanumerics, '-', '_' or '.'".into(),
+        )
+    }
+
+    pub fn node_selector_values() -> Rule {
+        rule(
+            format!("self.all(k, self[k].size() <= 63 && self[k].matches('{LABEL_VALUE}'))"),
+            "decoders.nodeSelector values must be label values: at most 63 alphanumerics, '-', '_' or '.', beginning and ending with an alphanumeric".into(),
+        )
+    }
+
+    pub fn toleration_keys() -> Rule {
+        rule(
+            format!("self.all(t, !has(t.key) || t.key == '' || (t.key.size() <= 317 && t.key.matches('{QUALIFIED_NAME}')))"),
+            "decoders.tolerations keys must be label keys: an optional DNS prefix and '/', then at most 63 alphanumerics, '-', '_' or '.'".into(),
+        )
+    }
+
+    pub fn toleration_values() -> Rule {
+        rule(
+            format!("self.all(t, !has(t.value) || (t.value.size() <= 63 && t.value.matches('{LABEL_VALUE}')))"),
+            "decoders.tolerations values must be label values: at most 63 alphanumerics, '-', '_' or '.', beginning and ending with an alphanumeric".into(),
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -605,10 +742,138 @@ mod tests {
     }
 
     #[test]
-    fn endpoint_must_be_http() {
+    fn endpoint_must_be_an_http_url_with_a_host() {
         let mut dp = crop();
-        dp.spec.source.s3.endpoint = Some("minio.storage:9000".into());
-        assert!(rejected(&dp).contains("source.s3.endpoint must start with"));
+        for bad in ["minio.storage:9000", "ftp://minio:21", "http://"] {
+            dp.spec.source.s3.endpoint = Some(bad.into());
+            assert!(
+                rejected(&dp).contains("source.s3.endpoint must be an http:// or https:// URL"),
+                "{bad}"
+            );
+        }
+        for good in ["http://minio.storage:9000", "https://s3.example.com"] {
+            dp.spec.source.s3.endpoint = Some(good.into());
+            dp.validate_cel().expect(good);
+        }
+    }
+
+    #[test]
+    fn batch_size_is_what_a_decoder_accepts() {
+        let mut dp = crop();
+        dp.spec.transform.resize.width = Some(8);
+        dp.spec.transform.resize.height = Some(8);
+        dp.spec.trainer.shared_memory = "64Mi".into();
+        dp.spec.batch.size = i64::try_from(stoker_contract::MAX_BATCH_SAMPLES).expect("fits");
+        dp.validate_cel().expect("a batch at the decoder's limit");
+        dp.spec.batch.size += 1;
+        assert!(rejected(&dp).contains("batch.size must be at most 1024"));
+    }
+
+    #[test]
+    fn output_pixels_are_what_a_decoder_produces() {
+        let mut dp = crop();
+        dp.spec.batch.size = 1;
+        dp.spec.trainer.shared_memory = "1Gi".into();
+        dp.spec.transform.resize.width = Some(4096);
+        dp.spec.transform.resize.height = Some(4096);
+        assert!(rejected(&dp).contains("width × height must be at most 12845056 pixels"));
+        let mut q = qwen();
+        q.spec.transform.resize.max_pixels = Some(20_000_000);
+        assert!(rejected(&q).contains("transform.resize.maxPixels must be at most 12845056"));
+        let mut q = qwen();
+        q.spec.transform.resize.patch_factor = Some(256);
+        q.spec.transform.resize.min_pixels = Some(1);
+        q.spec.transform.resize.max_pixels = Some(1000);
+        assert!(rejected(&q).contains("patchFactor² must not exceed"));
+    }
+
+    #[test]
+    fn a_batch_must_fit_one_grpc_reply() {
+        let mut dp = crop();
+        dp.spec.trainer.shared_memory = "64Gi".into();
+        // 1024 × 448 × 448 × 3 = 616 MB, far above the 240 MiB a reply carries in pixels.
+        dp.spec.batch.size = 1024;
+        assert!(rejected(&dp).contains("must be at most 251658240 (240 MiB)"));
+        // 128 × 448 × 448 × 3 = 77 MB fits.
+        dp.spec.batch.size = 128;
+        dp.validate_cel().expect("a 77 MB batch fits one reply");
+    }
+
+    #[test]
+    fn node_selector_must_be_labels() {
+        let mut dp = crop();
+        dp.spec
+            .decoders
+            .node_selector
+            .insert("nvidia.com/gpu.present".into(), "true".into());
+        dp.validate_cel().expect("a label");
+        dp.spec
+            .decoders
+            .node_selector
+            .insert("pool".into(), "a".repeat(64));
+        assert!(rejected(&dp).contains("decoders.nodeSelector values must be label values"));
+        dp.spec.decoders.node_selector.clear();
+        dp.spec
+            .decoders
+            .node_selector
+            .insert("bad key!".into(), "x".into());
+        assert!(rejected(&dp).contains("decoders.nodeSelector keys must be label keys"));
+    }
+
+    #[test]
+    fn tolerations_must_be_labels() {
+        let toleration = |key: &str, operator: &str, value: Option<&str>| Toleration {
+            key: Some(key.into()),
+            operator: Some(operator.into()),
+            value: value.map(Into::into),
+            effect: Some("NoSchedule".into()),
+            ..Toleration::default()
+        };
+        let mut dp = crop();
+        dp.spec.decoders.tolerations = vec![toleration("gpu", "Equal", Some("a100"))];
+        dp.validate_cel().expect("a toleration");
+        dp.spec.decoders.tolerations = vec![toleration("gpu", "Equal", Some("not a label"))];
+        assert!(rejected(&dp).contains("decoders.tolerations values must be label values"));
+        dp.spec.decoders.tolerations = vec![toleration("gpu/x/y", "Exists", None)];
+        assert!(rejected(&dp).contains("decoders.tolerations keys must be label keys"));
+        dp.spec.decoders.tolerations = vec![toleration("gpu", "Exists", Some("a100"))];
+        assert!(rejected(&dp).contains("an Exists toleration has no value"));
+    }
+
+    fn resources(requests: &[(&str, &str)], limits: &[(&str, &str)]) -> ResourceRequirements {
+        use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+        let map = |kv: &[(&str, &str)]| {
+            Some(
+                kv.iter()
+                    .map(|(k, v)| ((*k).to_string(), Quantity((*v).to_string())))
+                    .collect(),
+            )
+        };
+        ResourceRequirements {
+            requests: map(requests),
+            limits: map(limits),
+            ..ResourceRequirements::default()
+        }
+    }
+
+    #[test]
+    fn decoder_resources_must_parse() {
+        let mut dp = crop();
+        dp.spec.decoders.resources = Some(resources(&[("cpu", "2")], &[("memory", "4Gi")]));
+        dp.validate_cel().expect("quantities");
+        dp.spec.decoders.resources = Some(resources(&[("cpu", "two")], &[]));
+        assert!(rejected(&dp).contains("must be non-negative quantities"));
+        dp.spec.decoders.resources = Some(resources(&[], &[("memory", "-1Gi")]));
+        assert!(rejected(&dp).contains("must be non-negative quantities"));
+    }
+
+    #[test]
+    fn decoder_requests_must_not_exceed_limits() {
+        let mut dp = crop();
+        dp.spec.decoders.resources = Some(resources(&[("cpu", "500m")], &[("cpu", "1")]));
+        dp.validate_cel().expect("requests below limits");
+        dp.spec.decoders.resources = Some(resources(&[("memory", "2Gi")], &[("memory", "1Gi")]));
+        assert!(rejected(&dp).contains("requests must not exceed decoders.resources.limits"));
     }
 
     #[test]

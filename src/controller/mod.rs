@@ -9,12 +9,13 @@ pub mod expectations;
 pub mod fleet;
 pub mod local_share;
 pub mod reconcile;
+pub mod retry;
 pub mod status;
 pub mod trainers;
 pub mod validate;
 
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use error::Error;
 use futures::StreamExt;
@@ -23,10 +24,10 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::Reporter;
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER, ROLE_TRAINER};
@@ -56,6 +57,11 @@ pub struct Context {
     children: RwLock<Option<ChildStores>>,
     /// Pod writes the pod caches may not show yet.
     pub pod_writes: expectations::PodExpectations,
+    /// When each failing pipeline is tried again.
+    pub retries: retry::RetryBackoff,
+    /// Publishes reconcile failures; one Recorder for all of them, so that a failure that
+    /// repeats becomes one Event series with a count rather than an Event per retry.
+    pub failure_events: Recorder,
 }
 
 /// What the controller's watches last saw of the pipelines' pods and of the children it applies:
@@ -106,14 +112,17 @@ impl ChildStores {
 
 impl Context {
     pub fn new(client: Client, defaults: BuildDefaults, metrics: Arc<Metrics>) -> Self {
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
         Self {
+            failure_events: Recorder::new(client.clone(), reporter.clone()),
+            retries: retry::RetryBackoff::default(),
             client,
             defaults,
             metrics,
-            reporter: Reporter {
-                controller: FIELD_MANAGER.into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
+            reporter,
             resync: Duration::from_secs(300),
             autoscaler: None,
             children: RwLock::new(None),
@@ -142,10 +151,16 @@ impl Context {
     }
 }
 
-fn error_policy(_dp: Arc<DataPipeline>, error: &Error, ctx: Arc<Context>) -> Action {
+/// A failed reconcile is retried after the pipeline's next backoff delay (see [`retry`]); the
+/// reconcile itself already put the failure in `Degraded` and an Event.
+fn error_policy(dp: Arc<DataPipeline>, error: &Error, ctx: Arc<Context>) -> Action {
     ctx.metrics.reconcile_error(error.category());
-    tracing::warn!(error = %error, category = error.category(), "reconcile failed");
-    Action::requeue(Duration::from_secs(5))
+    let key = reconcile::key_of(&dp);
+    let delay = ctx
+        .retries
+        .failed(&key, dp.meta().generation, Instant::now());
+    tracing::warn!(error = %error, category = error.category(), retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
 }
 
 /// Runs the controller until `shutdown`; `namespace` limits it to one namespace.

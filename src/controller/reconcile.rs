@@ -20,11 +20,51 @@ use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
 /// A pipeline's namespace and name: how expectations and the autoscaler key it.
 pub type PipelineKey = (String, String);
 
+/// The namespace and name of a pipeline (the namespace empty if it has none).
+pub fn key_of(dp: &DataPipeline) -> PipelineKey {
+    (dp.namespace().unwrap_or_default(), dp.name_any())
+}
+
 pub async fn reconcile(dp: Arc<DataPipeline>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let key = key_of(&dp);
+    if let Some(wait) = ctx.retries.wait(&key, dp.meta().generation, Instant::now()) {
+        return Ok(Action::requeue(wait));
+    }
     let started = Instant::now();
     let result = reconcile_inner(&dp, &ctx).await;
     ctx.metrics.reconciled(started.elapsed().as_secs_f64());
+    match &result {
+        Ok(_) => ctx.retries.succeeded(&key),
+        Err(error) => report_failure(&ctx, &dp, &key, error).await,
+    }
     result
+}
+
+/// A failed reconcile shows where users look: `Degraded=True` with the error's category as
+/// the reason and its message, and a Warning Event with the same reason.
+async fn report_failure(ctx: &Context, dp: &DataPipeline, key: &PipelineKey, error: &Error) {
+    let (reason, message) = (error.reason(), error.summary());
+    if !key.0.is_empty() {
+        let new_status = status::failed_status(dp, &reason, &message, Timestamp::now());
+        let api: Api<DataPipeline> = Api::namespaced(ctx.client.clone(), &key.0);
+        if let Err(e) = status::write(&api, dp, &new_status, FIELD_MANAGER).await {
+            tracing::debug!(error = %e, "failure not written to status");
+        }
+    }
+    let event = Event {
+        type_: EventType::Warning,
+        reason,
+        note: Some(message.chars().take(1024).collect()),
+        action: "Reconcile".to_string(),
+        secondary: None,
+    };
+    if let Err(e) = ctx
+        .failure_events
+        .publish(&event, &dp.object_ref(&()))
+        .await
+    {
+        tracing::debug!(error = %e, "event not published");
+    }
 }
 
 async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Error> {

@@ -176,6 +176,27 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
     }
 }
 
+/// The status after a failed reconcile: `Degraded=True` with the failure's reason and message;
+/// the rest stays as last written, since nothing new was observed.
+pub fn failed_status(
+    dp: &DataPipeline,
+    reason: &str,
+    message: &str,
+    now: Timestamp,
+) -> DataPipelineStatus {
+    let mut status = dp.status.clone().unwrap_or_default();
+    set_condition(
+        &mut status.conditions,
+        DEGRADED,
+        "True",
+        reason,
+        message.chars().take(32 * 1024).collect(),
+        dp.meta().generation,
+        now,
+    );
+    status
+}
+
 /// Writes the status through the status subresource when it differs from what is stored.
 pub async fn write(
     api: &Api<DataPipeline>,
@@ -278,6 +299,32 @@ mod tests {
         assert_eq!(
             (last.from, last.to, last.reason.as_str()),
             (4, 6, "decoders.minReplicas")
+        );
+    }
+
+    #[test]
+    fn a_failed_reconcile_is_degraded_with_its_reason() {
+        let t0 = Timestamp::from_second(1_800_000_000).expect("ts");
+        let mut p = dp();
+        p.status = Some(desired_status(&p, obs(2, 2), t0));
+        let t1 = Timestamp::from_second(1_800_000_060).expect("ts");
+        let s = failed_status(&p, "Forbidden", "create Pod ns/dp: exceeded quota", t1);
+        let degraded = condition(&s, DEGRADED);
+        assert_eq!(
+            (degraded.status.as_str(), degraded.reason.as_str()),
+            ("True", "Forbidden")
+        );
+        assert_eq!(degraded.message, "create Pod ns/dp: exceeded quota");
+        assert_eq!(degraded.last_transition_time, Time(t1));
+        // What was observed before stays; so does Ready.
+        assert_eq!(condition(&s, READY).status, "True");
+        assert_eq!(s.decoders.desired, 2);
+        // The same failure again changes nothing, so the status is not written again.
+        p.status = Some(s.clone());
+        let t2 = Timestamp::from_second(1_800_000_120).expect("ts");
+        assert_eq!(
+            failed_status(&p, "Forbidden", "create Pod ns/dp: exceeded quota", t2),
+            s
         );
     }
 
