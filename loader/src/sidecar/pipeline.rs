@@ -296,6 +296,32 @@ impl CallFailure {
     }
 }
 
+/// What is wrong with a worker's reply, if anything, before any of it is used: one sample per
+/// request in the same order, and every decoded sample's pixels inside the reply. A reply that
+/// fails is the worker's fault and the batch goes to another worker; it never reaches the slot.
+fn reply_problem(reply: &proto::DecodeBatchReply, refs: &[SampleRef]) -> Option<&'static str> {
+    if reply.samples.len() != refs.len() {
+        return Some("sample count");
+    }
+    let pixels = reply.pixels.len() as u64;
+    for (m, asked) in reply.samples.iter().zip(refs) {
+        if m.key != asked.key {
+            return Some("keys differ from the request");
+        }
+        if !m.skip_reason.is_empty() {
+            continue;
+        }
+        let len = u64::from(m.width)
+            .checked_mul(u64::from(m.height))
+            .and_then(|p| p.checked_mul(3));
+        let end = len.and_then(|len| m.offset.checked_add(len));
+        if end.is_none_or(|end| end > pixels) {
+            return Some("pixels outside the reply");
+        }
+    }
+    None
+}
+
 impl Pipeline {
     pub fn batches_per_epoch(&self) -> u64 {
         self.plan().batches_per_epoch(self.samples.len()) as u64
@@ -656,8 +682,13 @@ impl Pipeline {
             }
         };
         match tokio::time::timeout(self.batch_timeout, call).await {
-            Ok(Ok(reply)) if reply.samples.len() == refs.len() => Ok(reply),
-            Ok(Ok(_)) => Err(CallFailure::fault("bad_reply")),
+            Ok(Ok(reply)) => match reply_problem(&reply, refs) {
+                None => Ok(reply),
+                Some(problem) => {
+                    tracing::warn!(worker = %worker.endpoint, batch_id, problem, "reply refused");
+                    Err(CallFailure::fault("bad_reply"))
+                }
+            },
             Ok(Err(status)) => Err(match status.code() {
                 // A full queue is not a fault: try another worker.
                 tonic::Code::ResourceExhausted => CallFailure {
@@ -856,6 +887,48 @@ mod tests {
             matches!(d.next(Duration::ZERO).await, Some(Item::Done)),
             "done repeats"
         );
+    }
+
+    #[test]
+    fn a_forged_reply_is_refused_before_use() {
+        let refs: Vec<SampleRef> = ["a.jpg", "b.jpg"]
+            .iter()
+            .map(|k| SampleRef {
+                key: k.to_string(),
+                metadata: String::new(),
+            })
+            .collect();
+        let sample = |key: &str, offset: u64| proto::SampleMeta {
+            key: key.to_string(),
+            width: 2,
+            height: 2,
+            offset,
+            ..proto::SampleMeta::default()
+        };
+        let reply = |samples| proto::DecodeBatchReply {
+            samples,
+            pixels: Bytes::from(vec![1u8; 24]),
+            ..proto::DecodeBatchReply::default()
+        };
+        let good = reply(vec![sample("a.jpg", 0), sample("b.jpg", 12)]);
+        assert_eq!(reply_problem(&good, &refs), None);
+        for (forged, problem) in [
+            (
+                reply(vec![sample("a.jpg", 0), sample("b.jpg", u64::MAX - 4)]),
+                "pixels outside the reply",
+            ),
+            (
+                reply(vec![sample("a.jpg", 0), sample("b.jpg", 13)]),
+                "pixels outside the reply",
+            ),
+            (
+                reply(vec![sample("a.jpg", 0), sample("secret.jpg", 12)]),
+                "keys differ from the request",
+            ),
+            (reply(vec![sample("a.jpg", 0)]), "sample count"),
+        ] {
+            assert_eq!(reply_problem(&forged, &refs), Some(problem));
+        }
     }
 
     #[tokio::test]

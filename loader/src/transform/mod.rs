@@ -302,8 +302,9 @@ fn crop_box(fw: f64, fh: f64, ow: u32, oh: u32) -> (f64, f64, f64, f64) {
     ((fw - cw) / 2.0, (fh - ch) / 2.0, cw, ch)
 }
 
-/// Largest output of any mode: bounds memory per sample whatever a request asks for.
-pub const MAX_OUTPUT_PIXELS: u64 = 16384 * 28 * 28;
+/// Largest output of any mode: bounds memory per sample whatever a request asks for. The
+/// CRD's rules refuse larger outputs with the same number.
+pub use stoker_contract::MAX_OUTPUT_PIXELS;
 
 /// Size of the scaled image inside a `fit` letterbox.
 pub fn fit_inner_size(sw: u32, sh: u32, ow: u32, oh: u32) -> (u32, u32) {

@@ -50,7 +50,7 @@ impl Default for WorkerConfig {
             http_addr: ([0, 0, 0, 0], stoker_contract::DECODER_METRICS_PORT).into(),
             threads: 0,
             queue_depth: 0,
-            max_batch_samples: 1024,
+            max_batch_samples: stoker_contract::MAX_BATCH_SAMPLES as usize,
             limits: DecodeLimits::default(),
             s3: None,
             scope: None,
