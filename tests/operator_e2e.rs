@@ -529,3 +529,73 @@ async fn a_pipeline_whose_decoders_cannot_be_created_is_degraded_with_an_event()
     .await;
     op.stop().await;
 }
+
+/// A sidecar whose S3 refuses the samples records a `SourceUnavailable` Event on the pipeline
+/// (the loader's e2e test makes the real one); the operator shows it as the pipeline's
+/// `SourceUnavailable` condition, with the sidecar's words, without waiting for a resync.
+#[tokio::test]
+async fn a_sidecars_source_report_becomes_the_pipelines_condition() {
+    use k8s_openapi::api::events::v1::Event;
+    let cp = ControlPlane::shared();
+    let ns = cp.namespace("op-source").await;
+    install_crd(&ns.client).await;
+    let _op = Operator::start(ns.client.clone(), &ns.name, None).await;
+    let dps: Api<DataPipeline> = Api::namespaced(ns.client.clone(), &ns.name);
+    let dp = dps
+        .create(&PostParams::default(), &pipeline("refused", 1, 1))
+        .await
+        .expect("create pipeline");
+    let condition = |want: &'static str| {
+        let dps = dps.clone();
+        move || {
+            let dps = dps.clone();
+            async move {
+                dps.get("refused")
+                    .await
+                    .ok()?
+                    .status?
+                    .conditions
+                    .into_iter()
+                    .find(|c| c.type_ == "SourceUnavailable" && c.status == want)
+            }
+        }
+    };
+    eventually(
+        "SourceUnavailable=False",
+        Duration::from_secs(60),
+        condition("False"),
+    )
+    .await;
+    let note = "s3://data/a.jpg: access refused or no such bucket";
+    let events: Api<Event> = Api::namespaced(ns.client.clone(), &ns.name);
+    let event: Event = serde_json::from_value(json!({
+        "metadata": {"name": "refused.sidecar"},
+        "eventTime": k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+            k8s_openapi::jiff::Timestamp::now()),
+        "reportingController": "stoker-loader",
+        "reportingInstance": "trainer-0",
+        "action": "GetObject",
+        "reason": "SourceUnavailable",
+        "type": "Warning",
+        "note": note,
+        "regarding": {
+            "apiVersion": "stoker.dev/v1alpha1",
+            "kind": "DataPipeline",
+            "name": "refused",
+            "namespace": ns.name,
+            "uid": dp.metadata.uid,
+        }
+    }))
+    .expect("event");
+    events
+        .create(&PostParams::default(), &event)
+        .await
+        .expect("the sidecar's event");
+    let shown = eventually(
+        "SourceUnavailable=True",
+        Duration::from_secs(30),
+        condition("True"),
+    )
+    .await;
+    assert_eq!(shown.message, note);
+}

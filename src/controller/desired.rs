@@ -21,6 +21,8 @@ use crate::build::{BuildDefaults, decoder_pod, network_policy, service, sidecar_
 pub struct Observed {
     pub decoders: Vec<Pod>,
     pub trainers: Vec<Pod>,
+    /// What a sidecar last said about the source refusing samples, while it is recent.
+    pub source_outage: Option<String>,
 }
 
 /// What the decide step concluded for this reconcile.
@@ -201,6 +203,7 @@ mod tests {
                 .map(|i| serving(&dp, &format!("d{i}"), &format!("n{i}")))
                 .collect(),
             trainers: vec![],
+            source_outage: None,
         };
         let d = desired(
             &dp,
@@ -223,6 +226,7 @@ mod tests {
                 .map(|i| serving(&dp, &format!("d{i}"), &format!("n{i}")))
                 .collect(),
             trainers: vec![],
+            source_outage: None,
         };
         // A decision without signals keeps the size; the test adds the move.
         let policy = crate::autoscale::AutoscalingPolicy::from_spec(&dp.spec);

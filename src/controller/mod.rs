@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 pub use error::Error;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::Api;
@@ -213,6 +213,14 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     let (roles, role_changes) = cached(scoped::<Role>(&client, ns), &managed);
     let (role_bindings, role_binding_changes) =
         cached(scoped::<RoleBinding>(&client, ns), &managed);
+    // A sidecar's SourceUnavailable Event on a pipeline: reconcile it, so the condition shows.
+    let outage_events = watcher::Config::default().fields(&format!(
+        "involvedObject.kind=DataPipeline,reason={}",
+        status::SOURCE_UNAVAILABLE
+    ));
+    let outage_reports = watcher(scoped::<CoreEvent>(&client, ns), outage_events)
+        .default_backoff()
+        .touched_objects();
     ctx.pod_writes.clear();
     ctx.set_children(Some(ChildStores {
         decoders,
@@ -239,6 +247,10 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         pod.labels()
             .get(LABEL_PIPELINE)
             .map(|name| ObjectRef::<DataPipeline>::new(name).within(&ns))
+    })
+    .watches_stream(outage_reports, |event: CoreEvent| {
+        let about = event.involved_object;
+        Some(ObjectRef::<DataPipeline>::new(&about.name?).within(&about.namespace?))
     })
     .graceful_shutdown_on(shutdown.cancelled_owned())
     .run(reconcile::reconcile, error_policy, ctx)

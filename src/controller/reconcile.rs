@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams};
 use kube::runtime::controller::Action;
@@ -13,6 +13,7 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Resource, ResourceExt};
 
 use super::desired::{DecoderChanges, Desired, Observed, Scale, desired};
+use super::status::SOURCE_UNAVAILABLE;
 use super::{ChildStores, Context, Error, FIELD_MANAGER, apply, fleet, status, trainers, validate};
 use crate::api::v1alpha1::{AutoscalingMode, DataPipelineStatus};
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
@@ -95,7 +96,7 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     report(ctx, dp, &key, &desired.decoders, &scale).await;
     let status = settled_status(dp, &observed, &desired, &scale, now);
     write_status(ctx, dp, &key, &status).await?;
-    Ok(next_look(ctx, dp, &desired))
+    Ok(next_look(ctx, dp, &observed, &desired))
 }
 
 /// A deleted pipeline: its children go with it through their owner references.
@@ -110,11 +111,13 @@ fn forget(ctx: &Context, dp: &DataPipeline, (namespace, name): &PipelineKey) {
 /// (see [`super::expectations`]); listed from the API server while the caches fill.
 async fn observe(ctx: &Context, key: &PipelineKey) -> Result<Observed, Error> {
     let (namespace, name) = key;
+    let source_outage = source_outage(ctx, key).await;
     if let Some(cached) = ctx.children().filter(ChildStores::pods_ready) {
         let decoders = ChildStores::pods_of(&cached.decoders, namespace, name);
         return Ok(Observed {
             decoders: ctx.pod_writes.overlay(key, decoders),
             trainers: ChildStores::pods_of(&cached.trainers, namespace, name),
+            source_outage,
         });
     }
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
@@ -135,7 +138,48 @@ async fn observe(ctx: &Context, key: &PipelineKey) -> Result<Observed, Error> {
     Ok(Observed {
         decoders: ctx.pod_writes.overlay(key, decoders),
         trainers,
+        source_outage,
     })
+}
+
+/// How long after a sidecar's last `SourceUnavailable` Event the outage counts as current: the
+/// sidecars repeat it each minute while delivery stays stopped.
+const SOURCE_OUTAGE_FRESH: Duration = Duration::from_secs(180);
+
+/// The note of the newest `SourceUnavailable` Event a sidecar recorded on the pipeline, if it
+/// is recent. A failed read leaves the condition as it was told last time, rather than fail the
+/// reconcile over a report.
+async fn source_outage(ctx: &Context, (namespace, name): &PipelineKey) -> Option<String> {
+    let events: Api<CoreEvent> = Api::namespaced(ctx.client.clone(), namespace);
+    let fields = format!(
+        "involvedObject.kind=DataPipeline,involvedObject.name={name},reason={SOURCE_UNAVAILABLE}"
+    );
+    let list = match events.list(&ListParams::default().fields(&fields)).await {
+        Ok(list) => list,
+        Err(err) => {
+            tracing::debug!(%err, pipeline = %name, "reading SourceUnavailable events");
+            return None;
+        }
+    };
+    let fresh_after = Timestamp::now() - SOURCE_OUTAGE_FRESH;
+    list.items
+        .into_iter()
+        .filter_map(|e| Some((last_seen(&e)?, e.message.unwrap_or_default())))
+        .filter(|(seen, _)| *seen > fresh_after)
+        .max_by_key(|(seen, _)| *seen)
+        .map(|(_, note)| note)
+}
+
+/// When an Event was last observed: its series' last time, else when it was recorded.
+fn last_seen(e: &CoreEvent) -> Option<Timestamp> {
+    let series = e
+        .series
+        .as_ref()
+        .and_then(|s| s.last_observed_time.as_ref());
+    series
+        .or(e.event_time.as_ref())
+        .map(|t| t.0)
+        .or_else(|| e.last_timestamp.as_ref().map(|t| t.0))
 }
 
 /// The autoscaler's part: a decision once per period (between them the count in effect
@@ -177,6 +221,7 @@ fn invalid_status(
         trainers: trainers::trainer_status(&observed.trainers),
         problems,
         failed_replaced: 0,
+        source_outage: observed.source_outage.clone(),
         scale_reason: count.reason,
         autoscale: scale.decision.as_ref(),
     };
@@ -201,6 +246,7 @@ fn settled_status(
         trainers: trainers::trainer_status(&observed.trainers),
         problems: Vec::new(),
         failed_replaced: changes.failed,
+        source_outage: observed.source_outage.clone(),
         scale_reason: changes.reason.clone(),
         autoscale: scale.decision.as_ref(),
     };
@@ -287,11 +333,15 @@ async fn write_status(
 
 /// An autoscaled pipeline is looked at again when its next decision is due, a draining fleet
 /// when its drain ends.
-fn next_look(ctx: &Context, dp: &DataPipeline, desired: &Desired) -> Action {
-    let next_look = match &ctx.autoscaler {
+fn next_look(ctx: &Context, dp: &DataPipeline, observed: &Observed, desired: &Desired) -> Action {
+    let mut next_look = match &ctx.autoscaler {
         Some(a) if dp.spec.autoscaling.mode != AutoscalingMode::Off => a.period().min(ctx.resync),
         _ => ctx.resync,
     };
+    if observed.source_outage.is_some() {
+        // Nothing announces an outage's end: look again once its last report is stale.
+        next_look = next_look.min(SOURCE_OUTAGE_FRESH / 3);
+    }
     match desired.decoders.requeue_after {
         Some(after) => Action::requeue(after.max(Duration::from_millis(200)).min(next_look)),
         None => Action::requeue(next_look),

@@ -14,6 +14,8 @@ use crate::api::v1alpha1::{
 
 pub const READY: &str = "Ready";
 pub const DEGRADED: &str = "Degraded";
+/// True while the pipeline's sidecars report that S3 refuses its samples (their Events).
+pub const SOURCE_UNAVAILABLE: &str = "SourceUnavailable";
 /// The autoscaler's conditions; it reports Unknown until it has read signals.
 pub const AUTOSCALER_CONDITIONS: [&str; 4] = [
     "Starved",
@@ -57,6 +59,8 @@ pub struct Observation<'a> {
     pub trainers: TrainerStatus,
     pub problems: Vec<String>,
     pub failed_replaced: usize,
+    /// A sidecar's recent report that the source refuses the samples.
+    pub source_outage: Option<String>,
     pub scale_reason: String,
     /// The autoscaler's decision, when this reconcile made one.
     pub autoscale: Option<&'a crate::autoscale::ScaleDecision>,
@@ -112,6 +116,24 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
         &mut conditions,
         DEGRADED,
         degraded,
+        reason,
+        message,
+        generation,
+        now,
+    );
+
+    let (status, reason, message) = match &obs.source_outage {
+        Some(note) => ("True", "SidecarsReport", note.clone()),
+        None => (
+            "False",
+            "Readable",
+            "no sidecar reports S3 refusing samples".to_string(),
+        ),
+    };
+    set_condition(
+        &mut conditions,
+        SOURCE_UNAVAILABLE,
+        status,
         reason,
         message,
         generation,
@@ -254,6 +276,7 @@ mod tests {
             trainers: TrainerStatus::default(),
             problems: vec![],
             failed_replaced: 0,
+            source_outage: None,
             scale_reason: "decoders.minReplicas".into(),
             autoscale: None,
         }
