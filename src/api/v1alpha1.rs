@@ -140,6 +140,11 @@ pub struct S3Source {
     /// `AWS_SESSION_TOKEN`); exposed as environment to decoders and sidecars.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials_secret_ref: Option<SecretRef>,
+    /// Let decoders and sidecars take credentials from the node's instance metadata (the
+    /// node's IAM role). Off by default: every pod on the node shares that role, so a pipeline
+    /// names its access with a Secret (or the trainer's web identity) instead.
+    #[serde(default)]
+    pub use_instance_metadata: bool,
 }
 
 /// A Secret in the pipeline's namespace.

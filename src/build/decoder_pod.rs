@@ -111,6 +111,15 @@ pub fn decoder_cpus(dp: &DataPipeline) -> usize {
 }
 
 /// S3 credentials, as environment, for decoders and sidecars.
+/// `AWS_EC2_METADATA_DISABLED=true` unless the pipeline sets `source.s3.useInstanceMetadata`.
+pub fn instance_metadata_env(dp: &DataPipeline) -> Option<EnvVar> {
+    (!dp.spec.source.s3.use_instance_metadata).then(|| EnvVar {
+        name: IMDS_DISABLED_ENV.to_string(),
+        value: Some("true".to_string()),
+        ..EnvVar::default()
+    })
+}
+
 pub fn credentials_env_from(dp: &DataPipeline) -> Option<Vec<EnvFromSource>> {
     dp.spec.source.s3.credentials_secret_ref.as_ref().map(|s| {
         vec![EnvFromSource {
@@ -155,20 +164,17 @@ pub fn decoder_pod_spec(
         name: DECODER_CONTAINER.to_string(),
         image: Some(defaults.loader_image(dp)),
         args: Some(super::loader_args::decoder_args(dp)?),
-        // The DataPipeline has no decoder ServiceAccount (IRSA) nor an opt-in to instance
-        // metadata: decoders read S3 with the pipeline's Secret, or not at all.
-        env: Some(vec![
-            EnvVar {
+        // Decoders have no ServiceAccount token (no IRSA): they read S3 with the pipeline's
+        // Secret, or with the node's role only when the pipeline opts in.
+        env: Some(
+            std::iter::once(EnvVar {
                 name: stoker_contract::env::PIPELINE.to_string(),
                 value: Some(name.clone()),
                 ..EnvVar::default()
-            },
-            EnvVar {
-                name: IMDS_DISABLED_ENV.to_string(),
-                value: Some("true".to_string()),
-                ..EnvVar::default()
-            },
-        ]),
+            })
+            .chain(instance_metadata_env(dp))
+            .collect(),
+        ),
         env_from: credentials_env_from(dp),
         ports: Some(vec![
             ContainerPort {
@@ -335,17 +341,19 @@ mod tests {
     }
 
     #[test]
-    fn decoders_never_fall_back_to_instance_metadata() {
+    fn decoders_use_instance_metadata_only_when_the_pipeline_asks() {
+        let imds_off = |dp: &DataPipeline| {
+            let spec = decoder_pod_spec(dp, &BuildDefaults::default()).expect("builds");
+            let env = spec.containers[0].env.clone().expect("env");
+            env.iter()
+                .any(|e| e.name == IMDS_DISABLED_ENV && e.value.as_deref() == Some("true"))
+        };
         let mut without_secret = dp();
         without_secret.spec.source.s3.credentials_secret_ref = None;
-        for dp in [dp(), without_secret] {
-            let spec = decoder_pod_spec(&dp, &BuildDefaults::default()).expect("builds");
-            let env = spec.containers[0].env.clone().expect("env");
-            assert!(
-                env.iter()
-                    .any(|e| e.name == IMDS_DISABLED_ENV && e.value.as_deref() == Some("true")),
-                "{env:?}"
-            );
-        }
+        assert!(imds_off(&dp()));
+        assert!(imds_off(&without_secret));
+        let mut opted_in = without_secret;
+        opted_in.spec.source.s3.use_instance_metadata = true;
+        assert!(!imds_off(&opted_in));
     }
 }

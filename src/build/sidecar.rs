@@ -19,7 +19,7 @@ use stoker_contract::{
     ANNOTATION_LOCAL_RANKS, RenderError, SHM_DIR, SIDECAR_HEALTH_PORT, env as contract_env,
 };
 
-use super::decoder_pod::credentials_env_from;
+use super::decoder_pod::{credentials_env_from, instance_metadata_env};
 use super::{BuildDefaults, restricted_security_context};
 use crate::api::{ANNOTATION_RANK, ANNOTATION_WORLD_SIZE, DataPipeline};
 
@@ -393,6 +393,7 @@ pub fn sidecar(
             ]
             .into_iter()
             .chain(rank_env(pod, local_ranks))
+            .chain(instance_metadata_env(dp))
             .collect(),
         ),
         env_from: credentials_env_from(dp),
@@ -705,5 +706,33 @@ mod tests {
             none.fs_group_change_policy.as_deref(),
             Some("OnRootMismatch")
         );
+    }
+}
+
+#[cfg(test)]
+mod instance_metadata_tests {
+    use super::*;
+
+    fn imds_off(dp: &DataPipeline) -> bool {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "t", "annotations": {"stoker.dev/local-ranks": "1"}},
+            "spec": {"containers": [{"name": "trainer"}]}
+        }))
+        .expect("pod");
+        let c = sidecar(&pod, dp, &BuildDefaults::default(), 1).expect("builds");
+        c.env
+            .expect("env")
+            .iter()
+            .any(|e| e.name == "AWS_EC2_METADATA_DISABLED" && e.value.as_deref() == Some("true"))
+    }
+
+    #[test]
+    fn the_sidecar_uses_instance_metadata_only_when_the_pipeline_asks() {
+        let mut dp: DataPipeline =
+            serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
+                .expect("fixture");
+        assert!(imds_off(&dp));
+        dp.spec.source.s3.use_instance_metadata = true;
+        assert!(!imds_off(&dp));
     }
 }
