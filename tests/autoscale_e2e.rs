@@ -422,9 +422,14 @@ async fn a_starved_trainer_scales_decoders_from_prometheus_signals() {
         (share - relieving).abs() < 0.1,
         "share {share}, want {relieving:.3}"
     );
-    let dp = dps.get(PIPELINE).await.expect("pipeline");
+    // The annotation is patched before the decision's status is written: wait for the status.
+    let dp = eventually("NetworkSaturated=True", Duration::from_secs(30), || async {
+        let dp = dps.get(PIPELINE).await.ok()?;
+        let saturated = condition(&dp, "NetworkSaturated")?;
+        (saturated.status == "True").then_some(dp)
+    })
+    .await;
     let saturated = condition(&dp, "NetworkSaturated").expect("NetworkSaturated");
-    assert_eq!(saturated.status, "True", "{}", saturated.message);
     assert!(
         saturated.message.contains(&trainer_node),
         "the condition names the node: {}",
