@@ -4,9 +4,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::*;
@@ -22,22 +20,12 @@ use tonic::Code;
 /// the request limit, one request could make it buffer 256 MiB.
 const RSS_BOUND_MIB: u64 = 128;
 
-struct Decoder {
-    child: Child,
-    grpc: SocketAddr,
-    http: SocketAddr,
-}
-
-impl Drop for Decoder {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+/// A decoder process and what these tests read of it.
+struct Decoder(DecoderProcess);
 
 impl Decoder {
     fn rss_mib(&self) -> u64 {
-        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+        std::fs::read_to_string(format!("/proc/{}/status", self.0.child.id()))
             .unwrap()
             .lines()
             .find_map(|l| l.strip_prefix("VmRSS:"))
@@ -47,13 +35,13 @@ impl Decoder {
     }
 
     async fn client(&self) -> DecodeClient {
-        DecodeClient::connect(format!("http://{}", self.grpc))
+        DecodeClient::connect(format!("http://{}", self.0.grpc))
             .await
             .unwrap()
     }
 
     async fn metrics(&self) -> String {
-        stoker_testenv::http::get(self.http, "/metrics")
+        stoker_testenv::http::get(self.0.http, "/metrics")
             .await
             .unwrap()
             .1
@@ -62,42 +50,19 @@ impl Decoder {
 
 /// Two threads, 4 batches admitted, 8 requests read at once.
 fn start_decoder(server: &S3Server) -> Decoder {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
-        .args([
-            "decode",
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--http-addr",
-            "127.0.0.1:0",
-        ])
-        .args(["--bucket", BUCKET, "--prefix", "images/"])
-        .args(["--threads", "2", "--queue-depth", "4", "--force-path-style"])
-        .args(["--endpoint", &server.endpoint(), "--region", "us-east-1"])
-        .env("AWS_ACCESS_KEY_ID", server.access_key())
-        .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
-        .env("AWS_EC2_METADATA_DISABLED", "true")
-        .env("RUST_LOG", "error")
-        .env_remove("AWS_PROFILE")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = |name: &str| -> SocketAddr {
-        line.split(&format!("{name}="))
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|a| a.parse().ok())
-            .unwrap_or_else(|| panic!("no {name} address in {line:?}"))
-    };
-    Decoder {
-        grpc: addr("grpc"),
-        http: addr("http"),
-        child,
-    }
+    Decoder(spawn_decoder(
+        server,
+        &[
+            "--bucket",
+            BUCKET,
+            "--prefix",
+            "images/",
+            "--threads",
+            "2",
+            "--queue-depth",
+            "4",
+        ],
+    ))
 }
 
 fn objects() -> (tempfile::TempDir, S3Server) {
@@ -211,7 +176,7 @@ async fn a_decoder_survives_a_thousand_bad_requests_within_its_memory() {
     let mut client = decoder.client().await;
     decodes(&mut client).await;
 
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", decoder.grpc))
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", decoder.0.grpc))
         .unwrap()
         .connect()
         .await
@@ -222,7 +187,7 @@ async fn a_decoder_survives_a_thousand_bad_requests_within_its_memory() {
     let mut tasks = tokio::task::JoinSet::new();
     let mut codes = std::collections::BTreeMap::<String, usize>::new();
     for i in 0..1000usize {
-        let grpc = decoder.grpc;
+        let grpc = decoder.0.grpc;
         let mut c = unlimited.clone();
         tasks.spawn(async move {
             let req = match i % 4 {

@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -23,37 +21,8 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
         .put_object(BUCKET, "small.jpg", &jpeg(64, 48))
         .unwrap();
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
-        .args([
-            "decode",
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--http-addr",
-            "127.0.0.1:0",
-        ])
-        .args(["--threads", "2", "--queue-depth", "8", "--force-path-style"])
-        .args(["--endpoint", &server.endpoint(), "--region", "us-east-1"])
-        .env("AWS_ACCESS_KEY_ID", server.access_key())
-        .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
-        .env("AWS_EC2_METADATA_DISABLED", "true")
-        .env_remove("AWS_PROFILE")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let grpc = line
-        .split("grpc=")
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string();
-    let http: std::net::SocketAddr = line.split("http=").nth(1).unwrap().trim().parse().unwrap();
+    let mut decoder = spawn_decoder(&server, &["--threads", "2", "--queue-depth", "8"]);
+    let (grpc, http) = (decoder.grpc, decoder.http);
     assert_eq!(
         stoker_testenv::http::get(http, "/readyz").await.unwrap().0,
         200
@@ -86,7 +55,7 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
+        libc::kill(decoder.child.id() as i32, libc::SIGTERM);
     }
     // Draining: readiness fails and a new batch is refused.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -109,7 +78,7 @@ async fn sigterm_finishes_inflight_batches_and_refuses_new_ones() {
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
+        if let Some(s) = decoder.child.try_wait().unwrap() {
             break s;
         }
         assert!(

@@ -223,15 +223,7 @@ pub(super) fn scaled_region(
     let x1 = ((region.x + region.width).div_ceil(denom) + 1).min(sw);
     let y1 = ((region.y + region.height).div_ceil(denom) + 1).min(sh);
     let x0 = x0 - x0 % mcu.max(1);
-    if x0 >= x1 || y0 >= y1 || (x0 == 0 && y0 == 0 && x1 == sw && y1 == sh) {
-        return None;
-    }
-    Some(Rect {
-        x: x0,
-        y: y0,
-        width: x1 - x0,
-        height: y1 - y0,
-    })
+    Rect::part_of((x0, y0), (x1, y1), (sw, sh))
 }
 
 pub(super) fn decode(

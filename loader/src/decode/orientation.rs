@@ -52,6 +52,20 @@ pub struct Rect {
     pub height: u32,
 }
 
+impl Rect {
+    /// The part of a `w` x `h` image from corner (x0, y0) to (x1, y1), exclusive; `None` when
+    /// it is empty or the whole image (nothing to save by decoding only it).
+    pub fn part_of((x0, y0): (u32, u32), (x1, y1): (u32, u32), (w, h): (u32, u32)) -> Option<Rect> {
+        let whole = x0 == 0 && y0 == 0 && x1 >= w && y1 >= h;
+        (x0 < x1 && y0 < y1 && !whole).then(|| Rect {
+            x: x0,
+            y: y0,
+            width: x1 - x0,
+            height: y1 - y0,
+        })
+    }
+}
+
 impl Orientation {
     /// The orientation that undoes this one.
     pub fn inverse(self) -> Orientation {

@@ -474,17 +474,10 @@ pub(super) fn report_source_events(
     let pod = args.pod_name.clone();
     let source_down = source_down.subscribe();
     tokio::spawn(async move {
-        let client = match kube_client {
-            Some(c) => c,
-            None => match kube::Client::try_default().await {
-                Ok(c) => c,
-                Err(err) => {
-                    tracing::info!(%err, "no Kubernetes API: source outages are logged, not recorded as Events");
-                    return;
-                }
-            },
-        };
-        events::report_source_unavailable(client, pipeline, pod, source_down).await;
+        let without = "source outages are logged, not recorded as Events";
+        if let Some(client) = discovery::kube::client_or_default(kube_client, without).await {
+            events::report_source_unavailable(client, pipeline, pod, source_down).await;
+        }
     });
 }
 

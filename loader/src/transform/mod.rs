@@ -208,15 +208,7 @@ impl Transform {
         let y0 = (top - margin).floor().max(0.0) as u32;
         let x1 = ((left + cw + margin).ceil() as u32).min(w);
         let y1 = ((top + ch + margin).ceil() as u32).min(h);
-        if x0 == 0 && y0 == 0 && x1 == w && y1 == h {
-            return None;
-        }
-        Some(Rect {
-            x: x0,
-            y: y0,
-            width: x1 - x0,
-            height: y1 - y0,
-        })
+        Rect::part_of((x0, y0), (x1, y1), (w, h))
     }
 
     /// Resizes packed RGB8 `src` (`sw` x `sh`) into `dst`, which holds exactly the output size

@@ -208,3 +208,67 @@ pub async fn metrics_text(w: &TestWorker) -> String {
         .expect("GET /metrics")
         .1
 }
+
+/// A `stoker-loader decode` process reading `server`, with `extra` flags, and the addresses it
+/// announces on its first stdout line. Killed when dropped.
+pub struct DecoderProcess {
+    pub child: std::process::Child,
+    pub grpc: std::net::SocketAddr,
+    pub http: std::net::SocketAddr,
+}
+
+impl Drop for DecoderProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn spawn_decoder(server: &S3Server, extra: &[&str]) -> DecoderProcess {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
+        .args([
+            "decode",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--force-path-style",
+            "--endpoint",
+            &server.endpoint(),
+            "--region",
+            "us-east-1",
+        ])
+        .args(extra)
+        .env("AWS_ACCESS_KEY_ID", server.access_key())
+        .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()),
+        )
+        .env_remove("AWS_PROFILE")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("stoker-loader decode starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("the decoder's first line");
+    let addr = |name: &str| -> std::net::SocketAddr {
+        line.split(&format!("{name}="))
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} address in {line:?}"))
+    };
+    DecoderProcess {
+        grpc: addr("grpc"),
+        http: addr("http"),
+        child,
+    }
+}

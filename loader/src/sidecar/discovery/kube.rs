@@ -117,21 +117,33 @@ pub fn local_share_of(pod: &Pod) -> Option<Result<f64, String>> {
 /// for as long as the returned future runs. `client`: discovery's, else the in-cluster or
 /// kubeconfig one. A pod without the annotation changes nothing; a value out of range is logged
 /// and ignored. The watch resumes by itself after API errors.
+/// `client`, else one from the environment (in-cluster or KUBECONFIG); `None`, logged with
+/// what goes without it, when there is no Kubernetes API.
+pub async fn client_or_default(
+    client: Option<kube::Client>,
+    without: &str,
+) -> Option<kube::Client> {
+    if client.is_some() {
+        return client;
+    }
+    match kube::Client::try_default().await {
+        Ok(c) => Some(c),
+        Err(err) => {
+            tracing::warn!(%err, "no Kubernetes API: {without}");
+            None
+        }
+    }
+}
+
 pub async fn follow_local_share(
     client: Option<kube::Client>,
     namespace: String,
     pod: String,
     apply: impl Fn(f64),
 ) {
-    let client = match client {
-        Some(c) => c,
-        None => match kube::Client::try_default().await {
-            Ok(c) => c,
-            Err(err) => {
-                tracing::warn!(pod = %pod, %err, "no Kubernetes API: the local decode share stays as started");
-                return;
-            }
-        },
+    let Some(client) = client_or_default(client, "the local decode share stays as started").await
+    else {
+        return;
     };
     let pods: Api<Pod> = Api::namespaced(client, &namespace);
     let own = watcher::Config::default().fields(&format!("metadata.name={pod}"));
