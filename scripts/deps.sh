@@ -3,12 +3,15 @@
 #   nasm        libjpeg-turbo's SIMD (vendored by the turbojpeg crate; without it JPEG is slower)
 #   prometheus  the real Prometheus server the autoscaler tests and the demo scrape with
 #   iproute2    network namespaces and tc for the simulated nodes' NICs
+#   runc        the OCI runtime the simulated nodes run containers with (uid, read-only root,
+#               capabilities, seccomp, cgroup limits), as a kubelet's CRI would
 # Debian's service for prometheus is not started: tests run their own on loopback.
 set -euo pipefail
 want=()
 command -v nasm >/dev/null || want+=(nasm)
 command -v prometheus >/dev/null || want+=(prometheus)
 command -v tc >/dev/null || want+=(iproute2)
+command -v runc >/dev/null || want+=(runc)
 [ ${#want[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "missing system packages: ${want[*]} (run as root, or install them: apt-get install ${want[*]})" >&2

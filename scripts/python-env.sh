@@ -2,7 +2,8 @@
 # The Python environment the tests and the demo use: a venv (never the system Python) with numpy,
 # pytest, pillow and scikit-image (its sample photographs make the demo dataset), matplotlib (the
 # demo's plot), boto3 (the demo's synchronous trainer), transformers (the Qwen2-VL image processor
-# the client's qwenSmart tests compare against; it installs and imports without torch), and the
+# the client's qwenSmart tests compare against; it installs and imports without torch), webdataset
+# and pyarrow (the loader's dataset tests write their shards and Parquet files with them), and the
 # `stoker` client installed from clients/python. Cached: a warm machine reinstalls only when
 # clients/python changes. Prints the venv's path.
 #   STOKER_VENV=/path   where the venv lives (default ~/.cache/stoker/venv)
@@ -12,9 +13,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${STOKER_VENV:-${STOKER_CACHE:-$HOME/.cache/stoker}/venv}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-if ! "$venv/bin/python" -c 'import numpy, pytest, PIL, skimage, matplotlib, boto3, transformers' 2>/dev/null; then
-  echo "[python] installing numpy, pytest, pillow, scikit-image, matplotlib, boto3, transformers into $venv" >&2
-  "$venv/bin/pip" install --quiet numpy pytest pillow scikit-image matplotlib boto3 transformers
+if ! "$venv/bin/python" -c 'import numpy, pytest, PIL, skimage, matplotlib, boto3, transformers, webdataset, pyarrow' 2>/dev/null; then
+  echo "[python] installing numpy, pytest, pillow, scikit-image, matplotlib, boto3, transformers, webdataset, pyarrow into $venv" >&2
+  "$venv/bin/pip" install --quiet numpy pytest pillow scikit-image matplotlib boto3 transformers webdataset pyarrow
 fi
 if [ -f "$root/clients/python/pyproject.toml" ]; then
   stamp="$venv/.stoker-client-$(find "$root/clients/python" -type f \( -name '*.py' -o -name '*.toml' \) \

@@ -24,7 +24,9 @@ use stoker_operator::api::DataPipeline;
 use stoker_operator::api::v1alpha1::AutoscalingMode;
 use stoker_operator::autoscale::{AutoscalerSettings, AutoscalingPolicy};
 use stoker_operator::build::BuildDefaults;
-use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::cluster::{
+    ControlPlane, restricted_container_security, restricted_pod_security,
+};
 
 const PIPELINE: &str = "imagenet";
 const TRAINER: &str = "trainer-0";
@@ -102,7 +104,10 @@ fn trainer_pod() -> Pod {
         "spec": {
             "nodeSelector": {"stoker.dev/pool": "gpu"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "containers": [{"name": "train", "image": "registry.invalid/trainer:test"}],
+            // The namespace enforces the restricted Pod Security Standard.
+            "securityContext": restricted_pod_security(1000),
+            "containers": [{"name": "train", "image": "registry.invalid/trainer:test",
+                            "securityContext": restricted_container_security()}],
         },
     }))
     .expect("trainer pod")

@@ -83,6 +83,35 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         lint.args(["lint", "--strict", CHART]).args(values);
         run(lint, None);
     }
+    // A typo in a value fails `helm install` against the real cluster, before anything is made.
+    let typo = cp
+        .helm()
+        .args([
+            "install",
+            "typo",
+            CHART,
+            "--namespace",
+            &release.name,
+            "--set",
+            "webhook.failurPolicy=Ignore",
+        ])
+        .output()
+        .expect("helm install");
+    let stderr = String::from_utf8_lossy(&typo.stderr);
+    assert!(
+        !typo.status.success() && stderr.contains("failurPolicy"),
+        "{stderr}"
+    );
+    let listed = run(
+        {
+            let mut l = cp.helm();
+            l.args(["list", "--namespace", &release.name, "--short"]);
+            l
+        },
+        None,
+    );
+    assert!(!listed.contains("typo"), "no release was made: {listed}");
+
     let cm = template(
         cp,
         &release.name,
@@ -229,4 +258,307 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         "clusterrolebinding/stoker",
     ]);
     run(delete, None);
+}
+
+fn helm_template(values: &[&str]) -> Result<String, String> {
+    let out = Command::new(stoker_testenv::cluster::bin_dir().join("helm"))
+        .args(["template", "stoker", CHART, "--namespace", "stoker"])
+        .args(values)
+        .output()
+        .expect("run helm (scripts/tools.sh builds it)");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        Ok(text)
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn documents(rendered: &str) -> Vec<serde_json::Value> {
+    rendered
+        .split("\n---")
+        .filter_map(|d| serde_yaml::from_str::<serde_json::Value>(d).ok())
+        .filter(|d| d.is_object())
+        .collect()
+}
+
+fn of_kind<'a>(docs: &'a [serde_json::Value], kind: &str) -> Vec<&'a serde_json::Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+/// The operator container's args in a rendering.
+fn operator_args(rendered: &str) -> Vec<String> {
+    let docs = documents(rendered);
+    let deployment = of_kind(&docs, "Deployment")[0];
+    serde_json::from_value(deployment["spec"]["template"]["spec"]["containers"][0]["args"].clone())
+        .expect("args")
+}
+
+#[test]
+fn the_autoscaler_values_reach_flags_the_operator_knows() {
+    let rendered = helm_template(&[
+        "--set",
+        "autoscaler.prometheusUrl=http://prometheus-operated.monitoring:9090",
+        "--set",
+        "autoscaler.windowSeconds=120",
+        "--set",
+        "autoscaler.periodSeconds=20",
+    ])
+    .expect("renders");
+    let args = operator_args(&rendered);
+    for want in [
+        "--prometheus-url=http://prometheus-operated.monitoring:9090",
+        "--autoscale-window-seconds=120",
+        "--autoscale-period-seconds=20",
+    ] {
+        assert!(args.iter().any(|a| a == want), "{want} missing: {args:?}");
+    }
+    // Without a URL no autoscaler runs, and no empty flag is passed.
+    let off = operator_args(&helm_template(&[]).expect("renders"));
+    assert!(
+        !off.iter().any(|a| a.starts_with("--prometheus-url")),
+        "{off:?}"
+    );
+
+    // Every flag the chart passes is one the operator's binary accepts.
+    let help = Command::new(env!("CARGO_BIN_EXE_stoker-operator"))
+        .args(["run", "--help"])
+        .output()
+        .expect("stoker-operator run --help");
+    let help = String::from_utf8_lossy(&help.stdout);
+    for arg in args.iter().filter(|a| a.starts_with("--")) {
+        let flag = arg.split('=').next().unwrap_or(arg);
+        assert!(
+            help.contains(&format!("{flag} "))
+                || help.contains(&format!("{flag}\n"))
+                || help.contains(&format!("{flag} <")),
+            "the chart passes {flag}, which `stoker-operator run` does not know:\n{help}"
+        );
+    }
+
+    // One image for operator and loader, tagged with the chart's appVersion.
+    let chart: serde_json::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(format!("{CHART}/Chart.yaml")).expect("Chart.yaml"),
+    )
+    .expect("Chart.yaml parses");
+    let image = format!(
+        "ghcr.io/stoker-dev/stoker:{}",
+        chart["appVersion"].as_str().expect("appVersion")
+    );
+    assert!(
+        args.contains(&format!("--loader-image={image}")),
+        "{args:?}"
+    );
+    assert!(
+        rendered.contains(&format!("image: \"{image}\"")),
+        "operator image {image}"
+    );
+}
+
+#[test]
+fn webhook_replicas_have_a_disruption_budget() {
+    let docs = documents(&helm_template(&["--set", "replicaCount=3"]).expect("renders"));
+    let pdbs = of_kind(&docs, "PodDisruptionBudget");
+    assert_eq!(pdbs.len(), 1);
+    assert_eq!(pdbs[0]["spec"]["minAvailable"], 1);
+    let deployment = of_kind(&docs, "Deployment")[0];
+    assert_eq!(
+        pdbs[0]["spec"]["selector"]["matchLabels"], deployment["spec"]["selector"]["matchLabels"],
+        "the budget covers the operator's pods"
+    );
+    let single = documents(&helm_template(&["--set", "replicaCount=1"]).expect("renders"));
+    assert!(
+        of_kind(&single, "PodDisruptionBudget").is_empty(),
+        "one replica: a budget of 1 would block every drain"
+    );
+}
+
+#[test]
+fn a_typo_in_a_value_fails_the_rendering() {
+    for (values, names) in [
+        (&["--set", "replicaCont=2"][..], "replicaCont"),
+        (
+            &["--set", "autoscaler.prometheusURL=http://p:9090"][..],
+            "prometheusURL",
+        ),
+        (&["--set", "replicaCount=two"][..], "replicaCount"),
+        (&["--set", "webhook.tls.mode=selfmanaged"][..], "mode"),
+        (&["--set-string", "podMonitor.enabled=yes"][..], "enabled"),
+    ] {
+        let err = helm_template(values).expect_err(&format!("{values:?} must fail"));
+        assert!(
+            err.contains(names),
+            "{values:?}: the error names {names}: {err}"
+        );
+    }
+    // Every value in values.yaml is in the schema (the defaults pass it).
+    helm_template(&[]).expect("the defaults pass the schema");
+}
+
+/// The metric names the README's Metrics tables document (`_suffix` entries expanded with the
+/// cell's first name's prefix, e.g. `_desired_decoders` → `stoker_autoscaler_desired_decoders`).
+fn documented_metrics() -> std::collections::BTreeSet<String> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    let section = readme
+        .split("\n## Metrics")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("a Metrics section");
+    let mut names = std::collections::BTreeSet::new();
+    for row in section.lines().filter(|l| l.starts_with('|')) {
+        let cell = row.split('|').nth(1).unwrap_or_default();
+        let mut prefix = None;
+        for token in cell.split('`').skip(1).step_by(2) {
+            let name: String = token
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            if name.starts_with("stoker_") {
+                prefix = Some(name.splitn(3, '_').take(2).collect::<Vec<_>>().join("_"));
+                names.insert(name);
+            } else if let (Some(p), true) = (&prefix, name.starts_with('_')) {
+                names.insert(format!("{p}{name}"));
+            }
+        }
+    }
+    names
+}
+
+/// Whether the code registers `name`: the operator's by encoding its registry, the autoscaler's,
+/// loader's and sidecar's by their registration names in their metrics modules.
+fn exported_by_the_code(name: &str, operator: &str) -> bool {
+    let base = ["_total", "_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name);
+    let root = env!("CARGO_MANIFEST_DIR");
+    let source = |file: &str| std::fs::read_to_string(format!("{root}/{file}")).expect(file);
+    if let Some(rest) = base.strip_prefix("stoker_loader_") {
+        source("loader/src/metrics.rs").contains(&format!("\"{rest}\""))
+    } else if let Some(rest) = base.strip_prefix("stoker_sidecar_") {
+        source("loader/src/sidecar/metrics.rs").contains(&format!("\"{rest}\""))
+    } else if let Some(rest) = base.strip_prefix("stoker_autoscaler_") {
+        // Families with no series yet encode nothing, so the registration names tell.
+        source("src/autoscale/metrics.rs").contains(&format!("\"{rest}\""))
+    } else if base.starts_with("stoker_trainer_") {
+        source("loader/src/sidecar/metrics.rs").contains(&format!("\"{base}\""))
+    } else {
+        // Families with no series yet encode nothing: their registration names tell.
+        let rest = base.strip_prefix("stoker_").unwrap_or(base);
+        operator.contains(&format!("# TYPE {base} "))
+            || source("src/telemetry.rs").contains(&format!("\"{rest}\""))
+    }
+}
+
+#[test]
+fn every_dashboard_panel_reads_a_documented_exported_metric() {
+    let docs = documents(&helm_template(&[]).expect("renders"));
+    let dashboards: Vec<_> = of_kind(&docs, "ConfigMap")
+        .into_iter()
+        .filter(|c| c["metadata"]["labels"]["grafana_dashboard"] == "1")
+        .collect();
+    assert_eq!(
+        dashboards.len(),
+        1,
+        "one ConfigMap with Grafana's sidecar label"
+    );
+    let json = dashboards[0]["data"]["stoker.json"]
+        .as_str()
+        .expect("stoker.json");
+    let dashboard: serde_json::Value = serde_json::from_str(json).expect("dashboard JSON");
+    let documented = documented_metrics();
+    assert!(
+        documented.contains("stoker_autoscaler_desired_decoders"),
+        "{documented:?}"
+    );
+    let operator = stoker_operator::telemetry::Metrics::default().encode();
+    let panels = dashboard["panels"].as_array().expect("panels");
+    assert!(panels.len() >= 8, "{} panels", panels.len());
+    let mut read = std::collections::BTreeSet::new();
+    for panel in panels {
+        let title = panel["title"].as_str().unwrap_or_default();
+        let targets = panel["targets"].as_array().expect("targets");
+        assert!(!targets.is_empty(), "panel {title} has no query");
+        for target in targets {
+            let expr = target["expr"].as_str().expect("expr");
+            let names: Vec<String> = expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|t| t.starts_with("stoker_"))
+                .map(str::to_string)
+                .collect();
+            assert!(
+                !names.is_empty(),
+                "panel {title}: {expr} reads no stoker metric"
+            );
+            for name in names {
+                let base = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s))
+                    .unwrap_or(&name);
+                assert!(
+                    documented.contains(&name) || documented.contains(base),
+                    "panel {title}: {name} is not in the README's metrics tables"
+                );
+                assert!(
+                    exported_by_the_code(&name, &operator),
+                    "panel {title}: no code exports {name}"
+                );
+                read.insert(name);
+            }
+        }
+    }
+    // The autoscaler's own inputs are on it.
+    for name in [
+        "stoker_autoscaler_data_wait_percent",
+        "stoker_decoders",
+        "stoker_loader_samples_out_total",
+    ] {
+        assert!(read.contains(name), "{name} is on no panel");
+    }
+}
+
+#[test]
+fn pod_monitors_give_the_labels_the_autoscaler_queries_use() {
+    let docs = documents(&helm_template(&["--set", "podMonitor.enabled=true"]).expect("renders"));
+    let monitors = of_kind(&docs, "PodMonitor");
+    assert_eq!(monitors.len(), 3);
+    for m in monitors {
+        let name = m["metadata"]["name"].as_str().unwrap_or_default();
+        let ep = &m["spec"]["podMetricsEndpoints"][0];
+        if name.ends_with("-operator") {
+            assert_eq!(
+                ep["honorLabels"], true,
+                "the operator's series keep their pipeline's namespace"
+            );
+            continue;
+        }
+        let targets: std::collections::BTreeMap<&str, &str> = ep["relabelings"]
+            .as_array()
+            .expect("relabelings")
+            .iter()
+            .map(|r| {
+                (
+                    r["targetLabel"].as_str().unwrap_or_default(),
+                    r["sourceLabels"][0].as_str().unwrap_or_default(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            targets.get("pipeline"),
+            Some(&"__meta_kubernetes_pod_label_stoker_dev_pipeline"),
+            "{name}"
+        );
+        assert_eq!(
+            targets.get("role"),
+            Some(&"__meta_kubernetes_pod_label_stoker_dev_role"),
+            "{name}"
+        );
+        let node = stoker_operator::autoscale::prometheus::QueryTemplates::default().node_label;
+        assert_eq!(
+            targets.get(node.as_str()),
+            Some(&"__meta_kubernetes_pod_node_name"),
+            "{name}"
+        );
+    }
 }

@@ -5,7 +5,7 @@ mod operator_support;
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::ResourceExt;
@@ -215,6 +215,36 @@ async fn deleted_decoder_is_replaced_and_restart_changes_nothing() {
         .expect("create pipeline");
     let before = wait_ready_decoders(&ns.client, &ns.name, "coco", 3).await;
 
+    // The pipeline's certificate (mutual TLS with its sidecars): a Secret the DataPipeline
+    // owns, so that it goes with it, mounted by every decoder.
+    let tls = Api::<Secret>::namespaced(ns.client.clone(), &ns.name)
+        .get("coco-decoders-tls")
+        .await
+        .expect("the pipeline's TLS Secret");
+    let owner = dps.get("coco").await.expect("pipeline").uid();
+    assert!(
+        tls.owner_references()
+            .iter()
+            .any(|o| Some(&o.uid) == owner.as_ref() && o.controller == Some(true)),
+        "the TLS Secret is owned by the DataPipeline: {:?}",
+        tls.owner_references()
+    );
+    let data = tls.data.clone().unwrap_or_default();
+    for key in ["ca.crt", "tls.crt", "tls.key"] {
+        assert!(data.contains_key(key), "{key} in the TLS Secret");
+    }
+    for p in &before {
+        let mounts_it = p
+            .spec
+            .iter()
+            .flat_map(|s| s.volumes.iter().flatten())
+            .any(|v| {
+                v.secret.as_ref().and_then(|s| s.secret_name.as_deref())
+                    == Some("coco-decoders-tls")
+            });
+        assert!(mounts_it, "{} mounts the TLS Secret", p.name_any());
+    }
+
     // A deleted decoder is replaced; the other two are untouched.
     let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
     let victim = before[0].name_any();
@@ -367,6 +397,12 @@ async fn snapshot(client: &kube::Client, ns: &str, name: &str) -> Vec<(String, S
         .await
         .expect("rb");
     out.push(rv(&rb.metadata));
+    // A restart reissues no certificate.
+    let tls = Api::<Secret>::namespaced(client.clone(), ns)
+        .get(&format!("{name}-decoders-tls"))
+        .await
+        .expect("tls secret");
+    out.push(rv(&tls.metadata));
     out
 }
 

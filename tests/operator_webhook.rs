@@ -16,7 +16,9 @@ use stoker_operator::api::DataPipeline;
 use stoker_operator::build::sidecar::quantity_bytes;
 use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
-use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::cluster::{
+    ControlPlane, restricted_container_security, restricted_pod_security,
+};
 
 fn trainer(name: &str, pipeline: Option<&str>) -> Pod {
     let labels = match pipeline {
@@ -28,7 +30,9 @@ fn trainer(name: &str, pipeline: Option<&str>) -> Pod {
         "metadata": {"name": name, "labels": labels,
                      "annotations": {"stoker.dev/world-size": "2", "stoker.dev/rank": "0"}},
         "spec": {
-            "containers": [{"name": "trainer", "image": "registry.invalid/trainer:1"}],
+            "securityContext": restricted_pod_security(1000),
+            "containers": [{"name": "trainer", "image": "registry.invalid/trainer:1",
+                            "securityContext": restricted_container_security()}],
             "nodeSelector": {"stoker.dev/pool": "cpu"}
         }
     }))
@@ -225,6 +229,23 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
         "{message}"
     );
 
+    // The namespace enforces the restricted Pod Security Standard: the injected pods above passed
+    // it, and a trainer that may run as root is refused after the webhook injected its sidecar.
+    let mut root_trainer = trainer("root-trainer", Some("vision"));
+    if let Some(s) = root_trainer.spec.as_mut() {
+        s.security_context = None;
+    }
+    let message = match pods.create(&PostParams::default(), &root_trainer).await {
+        Err(kube::Error::Api(s)) => s.message.clone(),
+        other => panic!("expected Pod Security to refuse a root trainer, got {other:?}"),
+    };
+    assert!(
+        message.contains("violates PodSecurity \"restricted:latest\"")
+            && message.contains("runAsNonRoot")
+            && message.contains("\"trainer\""),
+        "{message}"
+    );
+
     // Trainers are tracked in status; a change in their number leaves the decoders alone.
     eventually(
         "two trainers in status",
@@ -287,10 +308,11 @@ fn torchrun_trainer(name: &str, pipeline: &str) -> Pod {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "labels": {"stoker.dev/pipeline": pipeline}},
         "spec": {
-            "securityContext": {"runAsUser": 1000, "runAsNonRoot": true},
+            "securityContext": restricted_pod_security(1000),
             "containers": [{
                 "name": "trainer", "image": "registry.invalid/trainer:1",
                 "command": ["torchrun", "--nproc-per-node", "8", "train.py"],
+                "securityContext": restricted_container_security(),
                 "resources": {"limits": {"nvidia.com/gpu": "8"}}
             }],
             "nodeSelector": {"stoker.dev/pool": "gpu"}

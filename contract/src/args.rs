@@ -76,6 +76,21 @@ pub struct S3Args {
     pub max_attempts: u32,
 }
 
+/// Mutual TLS between sidecars and decoders: both ends present the pipeline's certificate and
+/// accept only a peer whose certificate chains to the installation's CA and names the same
+/// pipeline. Unset (local runs, bench): plaintext, with a warning at start.
+#[derive(clap::Args, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct TlsArgs {
+    /// Directory of the pipeline's certificates (ca.crt, tls.crt, tls.key), re-read when they
+    /// change, so that rotation needs no restart.
+    #[arg(long, env = "STOKER_TLS_DIR", requires = "tls_peer_name")]
+    pub tls_dir: Option<PathBuf>,
+    /// The DNS name a peer's certificate must carry: the pipeline's decoder Service,
+    /// `<service>.<namespace>.svc`.
+    #[arg(long, env = "STOKER_TLS_PEER_NAME", requires = "tls_dir")]
+    pub tls_peer_name: Option<String>,
+}
+
 /// The transform: resize mode and its sizes.
 #[derive(clap::Args, Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct TransformArgs {
@@ -129,6 +144,9 @@ pub struct DecodeArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub s3: S3Args,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub tls: TlsArgs,
 }
 
 impl DecodeArgs {
@@ -307,6 +325,9 @@ pub struct SidecarArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub s3: S3Args,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub tls: TlsArgs,
 }
 
 impl SidecarArgs {

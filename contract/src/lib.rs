@@ -7,7 +7,7 @@
 mod args;
 mod render;
 
-pub use args::{DecodeArgs, GpuPlacement, ResizeMode, S3Args, SidecarArgs, TransformArgs};
+pub use args::{DecodeArgs, GpuPlacement, ResizeMode, S3Args, SidecarArgs, TlsArgs, TransformArgs};
 pub use render::{LoaderCommand, RenderError};
 
 /// API group of stoker's resources.
@@ -75,6 +75,20 @@ pub const MAX_GRPC_MESSAGE_BYTES: u64 = 256 << 20;
 /// Pixel bytes one batch may carry: a batch travels in one reply, and the message limit keeps
 /// 16 MiB for the per-sample keys and metadata next to the pixels.
 pub const MAX_BATCH_PIXEL_BYTES: u64 = MAX_GRPC_MESSAGE_BYTES - (16 << 20);
+
+/// Where decoders and sidecars mount their pipeline's TLS Secret.
+pub const TLS_DIR: &str = "/etc/stoker/tls";
+/// Keys of a pipeline's TLS Secret, and the file names under [`TLS_DIR`]: the installation's
+/// CA, and the pipeline's certificate (server and client) and its key.
+pub const TLS_CA_FILE: &str = "ca.crt";
+pub const TLS_CERT_FILE: &str = "tls.crt";
+pub const TLS_KEY_FILE: &str = "tls.key";
+
+/// The name a pipeline's certificate carries and its peers check: the DNS name of its decoder
+/// Service. Service and namespace names are DNS labels, so no two pipelines share it.
+pub fn pipeline_tls_name(decoder_service: &str, namespace: &str) -> String {
+    format!("{decoder_service}.{namespace}.svc")
+}
 
 /// Environment the webhook gives the sidecar and the trainer containers.
 pub mod env {

@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 
 use stoker_contract::{
-    DecodeArgs, GpuPlacement, LoaderCommand, ResizeMode, S3Args, SidecarArgs, TransformArgs,
+    DecodeArgs, GpuPlacement, LoaderCommand, ResizeMode, S3Args, SidecarArgs, TlsArgs,
+    TransformArgs,
 };
 
 fn s3() -> S3Args {
@@ -13,6 +14,13 @@ fn s3() -> S3Args {
         force_path_style: true,
         max_concurrent_gets: 17,
         max_attempts: 3,
+    }
+}
+
+fn tls() -> TlsArgs {
+    TlsArgs {
+        tls_dir: Some(PathBuf::from("/etc/stoker/tls")),
+        tls_peer_name: Some("p-decoders.training.svc".into()),
     }
 }
 
@@ -68,6 +76,7 @@ fn sidecar() -> SidecarArgs {
             max_pixels: 200_000,
         },
         s3: s3(),
+        tls: tls(),
     }
 }
 
@@ -94,6 +103,7 @@ fn decode_arguments_parse_back_to_the_same_values() {
         max_source_pixels: 5,
         drain_timeout_secs: 6,
         s3: s3(),
+        tls: tls(),
     };
     assert_eq!(parse_back(&args), args);
     let whole_bucket = DecodeArgs {

@@ -25,7 +25,10 @@ use stoker_operator::build::BuildDefaults;
 use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
 use stoker_operator::{CancellationToken, Config};
-use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::cluster::{
+    ControlPlane, restricted_container_security, restricted_namespace_labels,
+    restricted_pod_security,
+};
 use stoker_testenv::prometheus::Prometheus;
 use stoker_testenv::runtime::NodeRuntime;
 use stoker_testenv::s3::S3Server;
@@ -36,6 +39,9 @@ pub const PIPELINE: &str = "demo";
 pub const LOADER_IMAGE: &str = "ghcr.io/stoker-dev/stoker-loader:0.1.0";
 /// The image the node runtime maps to `demo/trainer.py`.
 pub const TRAINER_IMAGE: &str = "ghcr.io/stoker-dev/stoker-sim-trainer:0.1.0";
+/// The trainer's user: not root, and not the sidecar's 65532 (the ring is shared through a
+/// group the webhook adds, as on a cluster).
+pub const TRAINER_UID: i64 = 1000;
 
 /// CPU nodes' NICs in Mbit/s: 25 Gb/s scaled so that one decoder node cannot carry what the
 /// trainer consumes (~190 images/s at ~280 KB each, ~45/s fit) while eight together can.
@@ -462,7 +468,12 @@ async fn install_crd(client: &Client) -> Result<()> {
 
 async fn create_namespace(client: &Client, s3: &S3Server) -> Result<()> {
     let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?;
+    // Restricted, as a cluster's training namespaces are: the API server admits only hardened
+    // pods (the decoders, the trainer with its injected sidecar).
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {
+        "name": NAMESPACE,
+        "labels": restricted_namespace_labels(),
+    }}))?;
     namespaces
         .create(&PostParams::default(), &ns)
         .await
@@ -647,8 +658,10 @@ fn trainer_pod(
             "restartPolicy": "Never",
             "nodeSelector": {"kubernetes.io/hostname": "gpu-0"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "securityContext": restricted_pod_security(TRAINER_UID),
             "containers": [{
                 "name": "trainer", "image": TRAINER_IMAGE, "args": args,
+                "securityContext": restricted_container_security(),
                 "env": [
                     {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}}},
                     {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY"}}},

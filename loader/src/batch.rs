@@ -8,6 +8,8 @@
 //! pass leave a hole that is closed by moving the later samples down.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -105,7 +107,7 @@ pub fn decode_batch(
     transform: &Transform,
     limits: &DecodeLimits,
 ) -> Batch {
-    let planned = PlannedBatch::new(samples, transform, limits);
+    let planned = PlannedBatch::new(samples, cloned_names(samples), transform, limits);
     // One allocation for the batch, at its exact size.
     let mut pixels = vec![0u8; planned.bytes()];
     let into = planned.decode_into(samples, transform, &mut pixels);
@@ -135,9 +137,134 @@ pub fn decode_batch_into(
     limits: &DecodeLimits,
     out: &mut [u8],
 ) -> DecodedInto {
-    let mut planned = PlannedBatch::new(samples, transform, limits);
+    let mut planned = PlannedBatch::new(samples, cloned_names(samples), transform, limits);
     planned.fit(out.len());
     planned.decode_into(samples, transform, out)
+}
+
+fn cloned_names(samples: &[EncodedSample]) -> Vec<(String, String)> {
+    samples
+        .iter()
+        .map(|s| (s.key.clone(), s.metadata.clone()))
+        .collect()
+}
+
+/// A batch decoded for a reply: its pixels in a buffer of a [`PixelPool`], shared as
+/// [`Bytes`] (into the gRPC reply without a copy; back to the pool when the reply is gone).
+#[derive(Debug)]
+pub struct PooledBatch {
+    pub pixels: Bytes,
+    pub samples: Vec<SampleMeta>,
+    pub timings: BatchTimings,
+}
+
+impl PooledBatch {
+    pub fn decoded_count(&self) -> usize {
+        self.samples.iter().filter(|s| s.skip.is_none()).count()
+    }
+}
+
+/// [`decode_batch`] for a reply: the samples' keys and metadata are moved, not copied, and the
+/// pixels go to a buffer taken from `pool` (no allocation and no zeroing once the pool holds
+/// buffers of the batch's size).
+pub fn decode_batch_pooled(
+    mut samples: Vec<EncodedSample>,
+    transform: &Transform,
+    limits: &DecodeLimits,
+    pool: &Arc<PixelPool>,
+) -> PooledBatch {
+    let names = samples
+        .iter_mut()
+        .map(|s| (std::mem::take(&mut s.key), std::mem::take(&mut s.metadata)))
+        .collect();
+    let planned = PlannedBatch::new(&samples, names, transform, limits);
+    let need = planned.bytes();
+    let mut buf = pool.take(need);
+    let into = planned.decode_into(&samples, transform, &mut buf[..need]);
+    PooledBatch {
+        pixels: Bytes::from_owner(PooledPixels {
+            buf,
+            len: into.bytes,
+            pool: pool.clone(),
+        }),
+        samples: into.samples,
+        timings: into.timings,
+    }
+}
+
+/// Batch pixel buffers, reused from batch to batch: a steady stream of batches of one shape
+/// costs no allocation, no page faults on fresh memory and no zeroing (every byte handed out
+/// is overwritten by the decode). Holds at most `keep` idle buffers.
+#[derive(Debug)]
+pub struct PixelPool {
+    idle: Mutex<Vec<Vec<u8>>>,
+    keep: usize,
+    allocations: AtomicU64,
+}
+
+impl PixelPool {
+    pub fn new(keep: usize) -> Arc<Self> {
+        Arc::new(Self {
+            idle: Mutex::new(Vec::new()),
+            keep: keep.max(1),
+            allocations: AtomicU64::new(0),
+        })
+    }
+
+    /// Buffers allocated so far (a batch larger than every idle buffer needs one).
+    pub fn allocations(&self) -> u64 {
+        self.allocations.load(Ordering::Relaxed)
+    }
+
+    /// A buffer of at least `len` bytes: the smallest idle one that holds it, else a new one.
+    fn take(&self, len: usize) -> Vec<u8> {
+        let found = {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            let best = idle
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.len() >= len)
+                .min_by_key(|(_, b)| b.len())
+                .map(|(i, _)| i);
+            best.map(|i| idle.swap_remove(i))
+        };
+        found.unwrap_or_else(|| {
+            self.allocations.fetch_add(1, Ordering::Relaxed);
+            // calloc: fresh zero pages from the kernel, not a memset.
+            vec![0u8; len]
+        })
+    }
+
+    fn put(&self, buf: Vec<u8>) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < self.keep {
+            idle.push(buf);
+        } else if let Some(smallest) = idle.iter_mut().min_by_key(|b| b.len())
+            && smallest.len() < buf.len()
+        {
+            // Keep the larger buffers: they serve every batch size.
+            *smallest = buf;
+        }
+    }
+}
+
+/// The owner behind a [`PooledBatch`]'s `Bytes`: returns its buffer to the pool on drop.
+struct PooledPixels {
+    buf: Vec<u8>,
+    len: usize,
+    pool: Arc<PixelPool>,
+}
+
+impl AsRef<[u8]> for PooledPixels {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl Drop for PooledPixels {
+    fn drop(&mut self) {
+        self.pool.put(std::mem::take(&mut self.buf));
+    }
 }
 
 /// Pass 1 of a batch: every header probed, every output's shape and offset known.
@@ -148,19 +275,27 @@ struct PlannedBatch {
 }
 
 impl PlannedBatch {
-    fn new(samples: &[EncodedSample], transform: &Transform, limits: &DecodeLimits) -> Self {
+    /// `names` are the samples' (key, metadata), moved into the metadata of the result.
+    fn new(
+        samples: &[EncodedSample],
+        names: Vec<(String, String)>,
+        transform: &Transform,
+        limits: &DecodeLimits,
+    ) -> Self {
         let started = Instant::now();
         let plans: Vec<Result<Plan, SkipReason>> = samples
             .par_iter()
-            .map(|s| plan_sample(s, transform, limits))
+            .zip(names.par_iter())
+            .map(|(s, (key, _))| plan_sample(key, s, transform, limits))
             .collect();
         let metas = samples
             .iter()
+            .zip(names)
             .zip(&plans)
-            .map(|(s, p)| {
+            .map(|((s, (key, metadata)), p)| {
                 let mut m = SampleMeta {
-                    key: s.key.clone(),
-                    metadata: s.metadata.clone(),
+                    key,
+                    metadata,
                     encoded_bytes: s.data.as_ref().map_or(0, |b| b.len() as u64),
                     ..SampleMeta::default()
                 };
@@ -244,10 +379,13 @@ impl PlannedBatch {
             .into_par_iter()
             .zip(samples.par_iter())
             .zip(plans.par_iter())
-            .map(|((slot, sample), plan)| match (plan, &sample.data) {
-                (Ok(plan), Ok(data)) => decode_into(&sample.key, data, plan, transform, slot),
-                _ => (Ok(()), Duration::ZERO, Duration::ZERO),
-            })
+            .zip(metas.par_iter())
+            .map(
+                |(((slot, sample), plan), meta)| match (plan, &sample.data) {
+                    (Ok(plan), Ok(data)) => decode_into(&meta.key, data, plan, transform, slot),
+                    _ => (Ok(()), Duration::ZERO, Duration::ZERO),
+                },
+            )
             .collect();
         let t2 = Instant::now();
 
@@ -287,18 +425,19 @@ impl PlannedBatch {
 }
 
 fn plan_sample(
+    key: &str,
     s: &EncodedSample,
     transform: &Transform,
     limits: &DecodeLimits,
 ) -> Result<Plan, SkipReason> {
     let data = s.data.as_ref().map_err(|r| *r)?;
     let probe = decode::probe(data, limits).map_err(|e| {
-        tracing::warn!(key = %s.key, reason = %e.category(), error = %e, "skipping sample");
+        tracing::warn!(key, reason = %e.category(), error = %e, "skipping sample");
         e.category()
     })?;
     let (w, h) = probe.oriented_size();
     let out = transform.output_size(w, h).map_err(|e| {
-        tracing::warn!(key = %s.key, reason = "bad_geometry", error = %e, "skipping sample");
+        tracing::warn!(key, reason = "bad_geometry", error = %e, "skipping sample");
         SkipReason::BadGeometry
     })?;
     Ok(Plan { probe, out })
@@ -346,17 +485,18 @@ fn decode_into(
         } else {
             full
         };
+        let pixels = &scratch.decoded[..decoded.byte_len()];
         let src = if orientation == decode::Orientation::Normal {
-            &scratch.decoded
+            pixels
         } else {
             decode::apply_orientation(
-                &scratch.decoded,
+                pixels,
                 decoded.width,
                 decoded.height,
                 orientation,
                 &mut scratch.oriented,
             );
-            &scratch.oriented
+            &scratch.oriented[..]
         };
         let t1 = thread_cpu_time();
         let result =
@@ -466,7 +606,13 @@ mod tests {
         let d = decode::decode_rgb(data, &probe, Some(min), None, &mut buf).unwrap();
         assert_eq!((d.width, d.height), (d.full_width, d.full_height));
         let mut oriented = Vec::new();
-        let (sw, sh) = apply_orientation(&buf, d.width, d.height, probe.orientation, &mut oriented);
+        let (sw, sh) = apply_orientation(
+            &buf[..d.byte_len()],
+            d.width,
+            d.height,
+            probe.orientation,
+            &mut oriented,
+        );
         let out = t.output_size(ow, oh).unwrap();
         let mut dst = vec![0u8; (out.0 * out.1 * 3) as usize];
         t.apply(&oriented, sw, sh, out, &mut dst, &mut Resizer::new())
@@ -575,7 +721,7 @@ mod tests {
         let d = decode::decode_rgb(&data, &probe, min, window, &mut buf).unwrap();
         assert_eq!((d.full_width, d.full_height), (800, 600));
         assert_eq!((d.x, d.y, d.width, d.height), (96, 0, 607, 600));
-        assert_eq!(buf.len(), 607 * 600 * 3);
+        assert_eq!(d.byte_len(), 607 * 600 * 3);
         assert_eq!(Orientation::Normal.map_rect(d.rect(), 800, 600), d.rect());
     }
 }

@@ -67,7 +67,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                         .map(|s| proto::SampleRef {
                             key: s.key,
                             metadata: s.metadata,
-                            inline: Default::default(),
+                            ..Default::default()
                         })
                         .collect(),
                     transform: Some(transform.clone()),

@@ -8,6 +8,7 @@
 pub mod batch;
 pub mod decode;
 pub mod gpu;
+pub mod index;
 pub mod metrics;
 pub mod profile;
 pub mod proto;

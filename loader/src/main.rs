@@ -1,5 +1,6 @@
 //! `stoker-loader`: `decode` (the gRPC decode worker), `profile` (timing breakdown on a sample
-//! of a dataset) and `bench` (drives decode workers with real batches and reports images/s).
+//! of a dataset), `bench` (drives decode workers with real batches and reports images/s) and
+//! `index` (the dataset index of WebDataset shards).
 
 mod bench;
 
@@ -30,6 +31,26 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Next to the trainer: epoch order, prefetch across decode workers, shared-memory hand-off.
     Sidecar(Box<SidecarArgs>),
+    /// Read WebDataset shards once and write the dataset index (per shard: sample count and
+    /// where each sample starts) that sidecars read instead of listing.
+    Index(IndexArgs),
+}
+
+#[derive(Args, Debug)]
+struct IndexArgs {
+    /// WebDataset shards: `s3://bucket/laion/{00000..04095}.tar`, or `s3://bucket/prefix/` for
+    /// every `.tar` under the prefix.
+    #[arg(long)]
+    shards: String,
+    /// Where `index.json` and `offsets.bin` go: `s3://bucket/prefix/` (a location apart from the
+    /// data, so the data's credentials can stay read-only) or a directory.
+    #[arg(long)]
+    out: String,
+    /// Shards read at once.
+    #[arg(long, default_value_t = 8)]
+    parallel: usize,
+    #[command(flatten)]
+    s3: S3Args,
 }
 
 /// S3 settings for the loader's S3 client.
@@ -105,6 +126,7 @@ fn main() -> anyhow::Result<()> {
             Command::Profile(args) => profile(args).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Sidecar(args) => sidecar(args).await,
+            Command::Index(args) => index(args).await,
         }
     })
 }
@@ -124,6 +146,7 @@ async fn decode(args: Box<DecodeArgs>) -> anyhow::Result<()> {
             prefix: args.prefix.clone().unwrap_or_default(),
         }),
         drain_timeout: Duration::from_secs(args.drain_timeout_secs),
+        tls: stoker_loader::worker::PipelineTls::from_args(&args.tls)?,
         ..WorkerConfig::default()
     };
     let server = DecodeServer::bind(config).await?;
@@ -159,6 +182,35 @@ async fn sidecar(args: Box<SidecarArgs>) -> anyhow::Result<()> {
     let transform = transform(&args.transform)?;
     let s3 = s3_config(&args.s3);
     stoker_loader::sidecar::run(*args, s3, transform, shutdown_signal()).await?;
+    Ok(())
+}
+
+async fn index(args: IndexArgs) -> anyhow::Result<()> {
+    use stoker_loader::index;
+    let t0 = std::time::Instant::now();
+    let metrics = std::sync::Arc::new(stoker_loader::metrics::LoaderMetrics::new());
+    let source = S3Source::connect(&s3_config(&args.s3), metrics).await;
+    let (bucket, keys) = index::resolve_shards(&source, &args.shards).await?;
+    let (built, offsets) = index::build_webdataset(&source, &bucket, &keys, args.parallel).await?;
+    for p in &built.problems {
+        tracing::warn!(key = %p.key, offset = p.offset, reason = %p.reason, "left out of the index");
+    }
+    let location = stoker_loader::source::ManifestLocation::parse(&args.out);
+    let offsets_bytes = offsets.len();
+    index::write_index(&source, &location, &built, offsets).await?;
+    // One JSON line for the operator's Job and for scripts.
+    println!(
+        "{}",
+        serde_json::json!({
+            "index": location.to_string(),
+            "shards": built.shards.len(),
+            "samples": built.samples,
+            "shardBytes": built.shards.iter().map(|s| s.bytes).sum::<u64>(),
+            "offsetsBytes": offsets_bytes,
+            "problems": built.problems.len(),
+            "seconds": t0.elapsed().as_secs_f64(),
+        })
+    );
     Ok(())
 }
 

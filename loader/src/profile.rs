@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde::Serialize;
 
-use crate::batch::{EncodedSample, decode_batch};
+use crate::batch::{EncodedSample, PixelPool, decode_batch_pooled};
 use crate::decode::DecodeLimits;
 use crate::source::{ManifestLocation, S3Source, SampleRef, SourceError};
 use crate::transform::Transform;
@@ -51,6 +51,13 @@ pub struct ProfileReport {
     pub pack_ms_per_image: f64,
     /// Decode-path CPU per decoded image: decode + resize + pack.
     pub cpu_ms_per_image: f64,
+    /// Encoding the gRPC reply a decode worker sends (protobuf: sample metadata and the
+    /// pixels, copied once into the message), per decoded image.
+    pub reply_cpu_ms_per_image: f64,
+    /// Everything a decode worker spends per image: get + decode path + reply.
+    pub all_cpu_ms_per_image: f64,
+    /// Share of `all_cpu_ms_per_image` outside decode + resize + pack (get and reply), in %.
+    pub outside_decode_percent: f64,
     /// Decode path only (GET not counted): 1000 / `cpu_ms_per_image`.
     pub images_per_second_per_core: f64,
     pub encoded_bytes_per_image: f64,
@@ -67,6 +74,7 @@ struct CpuStages {
     decode: Duration,
     resize: Duration,
     pack: Duration,
+    reply: Duration,
     decoded: usize,
     out_bytes: usize,
 }
@@ -132,13 +140,16 @@ pub async fn run_profile(
     let limits = cfg.limits;
     let cpu = tokio::task::spawn_blocking(move || {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build();
+        // As a decode worker runs: batches into pooled buffers, each then encoded as a reply.
+        let pixels = PixelPool::new(2);
         let run = |samples: &[EncodedSample]| {
             let mut stages = CpuStages::default();
             let mut skips: BTreeMap<String, u64> = BTreeMap::new();
             let t0 = Instant::now();
-            for chunk in samples.chunks(32) {
+            for (i, chunk) in samples.chunks(32).enumerate() {
+                let chunk = chunk.to_vec();
                 let c0 = crate::batch::thread_cpu_time();
-                let b = decode_batch(chunk, &transform, &limits);
+                let b = decode_batch_pooled(chunk, &transform, &limits, &pixels);
                 let batch_cpu = crate::batch::thread_cpu_time().saturating_sub(c0);
                 let (decode, resize) = (b.timings.decode_cpu, b.timings.resize_cpu);
                 stages.decode += decode;
@@ -151,6 +162,10 @@ pub async fn run_profile(
                         *skips.entry(r.as_str().to_string()).or_default() += 1;
                     }
                 }
+                let c1 = crate::batch::thread_cpu_time();
+                let reply = crate::worker::encode_reply(i as u64, b);
+                stages.reply += crate::batch::thread_cpu_time().saturating_sub(c1);
+                drop(reply);
             }
             (stages, skips, t0.elapsed())
         };
@@ -166,6 +181,7 @@ pub async fn run_profile(
         decode,
         resize,
         pack,
+        reply,
         decoded,
         out_bytes,
     } = stages;
@@ -182,6 +198,9 @@ pub async fn run_profile(
         0.0
     };
     let decoded_bytes_per_image = out_bytes as f64 / n;
+    let get_ms = get_cpu.as_secs_f64() * 1000.0 / sampled.max(1) as f64;
+    let reply_ms = reply.as_secs_f64() * 1000.0 / n;
+    let all_ms = get_ms + cpu_secs * 1000.0 / n + reply_ms;
     Ok(ProfileReport {
         transform: transform.name().to_string(),
         listed_objects: all.len(),
@@ -193,11 +212,18 @@ pub async fn run_profile(
         get_p90_ms: percentile(&lat, 0.9),
         get_mb_per_s: encoded_total as f64 / 1e6 / get_wall.as_secs_f64().max(1e-9),
         get_concurrency: cfg.concurrency,
-        get_cpu_ms_per_image: get_cpu.as_secs_f64() * 1000.0 / sampled.max(1) as f64,
+        get_cpu_ms_per_image: get_ms,
         decode_ms_per_image: decode.as_secs_f64() * 1000.0 / n,
         resize_ms_per_image: resize.as_secs_f64() * 1000.0 / n,
         pack_ms_per_image: pack.as_secs_f64() * 1000.0 / n,
         cpu_ms_per_image: cpu_secs * 1000.0 / n,
+        reply_cpu_ms_per_image: reply_ms,
+        all_cpu_ms_per_image: all_ms,
+        outside_decode_percent: if all_ms > 0.0 {
+            (get_ms + reply_ms) / all_ms * 100.0
+        } else {
+            0.0
+        },
         images_per_second_per_core: per_core,
         encoded_bytes_per_image: encoded_total as f64 / sampled.max(1) as f64,
         decoded_bytes_per_image,
@@ -254,6 +280,18 @@ impl ProfileReport {
             (
                 "CPU per image: decode path".into(),
                 format!("{:.3} ms", self.cpu_ms_per_image),
+            ),
+            (
+                "CPU per image: reply".into(),
+                format!("{:.3} ms", self.reply_cpu_ms_per_image),
+            ),
+            (
+                "CPU per image: all".into(),
+                format!("{:.3} ms", self.all_cpu_ms_per_image),
+            ),
+            (
+                "CPU outside decode path".into(),
+                format!("{:.1} %", self.outside_decode_percent),
             ),
             (
                 "images/s per core".into(),

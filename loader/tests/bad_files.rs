@@ -121,6 +121,7 @@ async fn bad_files_are_skipped_with_their_reason_and_the_worker_keeps_serving() 
             key: format!("bomb{i}.png"),
             metadata: String::new(),
             inline: png_bomb(60000, 60000).into(),
+            ..Default::default()
         })
         .collect();
     let reply = w

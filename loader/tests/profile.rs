@@ -99,6 +99,9 @@ fn profile_table_has_every_stage() {
             "CPU per image: resize",
             "CPU per image: pack",
             "CPU per image: decode path",
+            "CPU per image: reply",
+            "CPU per image: all",
+            "CPU outside decode path",
             "images/s per core",
             "bytes per image enc → dec",
             cores_row.as_str(),
@@ -124,7 +127,8 @@ fn profile_table_has_every_stage() {
     assert!(mbps > 0.0 && rest == " MB/s at 16 in flight", "{table}");
 
     let mut stages = 0.0;
-    for stage in ["get", "decode", "resize", "pack"] {
+    let mut outside = 0.0;
+    for stage in ["get", "decode", "resize", "pack", "reply"] {
         let (ms, unit) = number(cell(&format!("CPU per image: {stage}")));
         // Pack (headers, the batch buffer) can round to 0.000 on a small sample.
         let floor = if stage == "pack" { 0.0 } else { 1e-9 };
@@ -132,7 +136,9 @@ fn profile_table_has_every_stage() {
             ms >= floor && ms < 1000.0 && unit == " ms",
             "{stage}: {table}"
         );
-        if stage != "get" {
+        if stage == "get" || stage == "reply" {
+            outside += ms;
+        } else {
             stages += ms;
         }
     }
@@ -142,6 +148,20 @@ fn profile_table_has_every_stage() {
     assert!(
         (stages - total).abs() <= 0.002,
         "{stages} vs {total}: {table}"
+    );
+
+    // All of a worker's CPU per image: get + decode path + reply.
+    let (all, unit) = number(cell("CPU per image: all"));
+    assert!(unit == " ms", "{table}");
+    assert!(
+        (outside + total - all).abs() <= 0.003,
+        "{outside} + {total} vs {all}: {table}"
+    );
+    let (share, unit) = number(cell("CPU outside decode path"));
+    assert!(unit == " %", "{table}");
+    assert!(
+        (share - outside / all * 100.0).abs() <= 0.5,
+        "{share} vs {outside} / {all}: {table}"
     );
 
     let (per_core, rest) = number(cell("images/s per core"));
@@ -192,6 +212,9 @@ fn profile_json_has_every_field() {
         "resize_ms_per_image",
         "pack_ms_per_image",
         "cpu_ms_per_image",
+        "reply_cpu_ms_per_image",
+        "all_cpu_ms_per_image",
+        "outside_decode_percent",
         "images_per_second_per_core",
         "encoded_bytes_per_image",
         "decoded_bytes_per_image",
@@ -211,20 +234,38 @@ fn profile_json_has_every_field() {
     assert!(num("list_seconds") >= 0.0);
     assert!(num("get_p50_ms") > 0.0 && num("get_p90_ms") >= num("get_p50_ms"));
     assert!(num("get_mb_per_s") > 0.0);
-    let (get, decode, resize, pack, total) = (
+    let (get, decode, resize, pack, total, reply) = (
         num("get_cpu_ms_per_image"),
         num("decode_ms_per_image"),
         num("resize_ms_per_image"),
         num("pack_ms_per_image"),
         num("cpu_ms_per_image"),
+        num("reply_cpu_ms_per_image"),
     );
-    for (k, v) in [("get", get), ("decode", decode), ("resize", resize)] {
+    for (k, v) in [
+        ("get", get),
+        ("decode", decode),
+        ("resize", resize),
+        ("reply", reply),
+    ] {
         assert!(v > 0.0 && v < 1000.0, "{k}: {v}");
     }
     assert!(pack >= 0.0);
     // The stages split the decode thread's CPU time: they add up to the total, no more.
     assert!(decode + resize + pack <= total * (1.0 + 1e-9), "{report}");
     assert!(decode + resize + pack >= total * 0.999, "{report}");
+    // A worker's whole CPU per image, and the share of it outside decode + resize + pack.
+    let all = num("all_cpu_ms_per_image");
+    assert!(
+        (all - (get + total + reply)).abs() <= all * 1e-9,
+        "{report}"
+    );
+    let outside = num("outside_decode_percent");
+    assert!(
+        (outside - (get + reply) / all * 100.0).abs() <= 1e-6,
+        "{report}"
+    );
+    assert!(outside > 0.0 && outside < 100.0, "{report}");
     let per_core = num("images_per_second_per_core");
     assert!(
         (per_core - 1000.0 / total).abs() <= per_core * 1e-6,

@@ -14,7 +14,9 @@ use sidecar_support::*;
 use stoker_loader::sidecar::client::TrainerClient;
 use stoker_loader::sidecar::plan::Shard;
 use stoker_loader::sidecar::protocol::Reply;
-use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::cluster::{
+    ControlPlane, restricted_container_security, restricted_pod_security,
+};
 use stoker_testenv::http;
 use stoker_testenv::s3::S3Server;
 
@@ -358,7 +360,11 @@ fn readiness_metrics_and_the_local_share_from_the_pods_annotation() {
     let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
     let trainer: Pod = serde_json::from_value(serde_json::json!({
         "metadata": { "name": "trainer-0" },
-        "spec": { "containers": [{ "name": "train", "image": "trainer:test" }] }
+        "spec": {
+            "securityContext": restricted_pod_security(1000),
+            "containers": [{ "name": "train", "image": "trainer:test",
+                             "securityContext": restricted_container_security() }]
+        }
     }))
     .unwrap();
     rt.block_on(pods.create(&PostParams::default(), &trainer))

@@ -8,12 +8,18 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use stoker_loader::sidecar::discovery::{KubeWorkers, WorkerDiscovery};
-use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::cluster::{
+    ControlPlane, restricted_container_security, restricted_pod_security,
+};
 
 fn pod(name: &str, labels: serde_json::Value) -> Pod {
     serde_json::from_value(serde_json::json!({
         "metadata": { "name": name, "labels": labels },
-        "spec": { "containers": [{ "name": "decode", "image": "stoker-loader:test" }] }
+        "spec": {
+            "securityContext": restricted_pod_security(65532),
+            "containers": [{ "name": "decode", "image": "stoker-loader:test",
+                             "securityContext": restricted_container_security() }]
+        }
     }))
     .unwrap()
 }

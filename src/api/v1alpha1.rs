@@ -26,6 +26,13 @@ use serde::{Deserialize, Serialize};
     cel,
     status = "DataPipelineStatus",
     derive = "PartialEq",
+    doc = "A fleet of stoker-loader decoders that feeds the trainer pods labelled `stoker.dev/pipeline: <name>` with decoded, batched images from S3.",
+    // `kubectl scale dp NAME --replicas N` sets the fixed decoder count (mode fixed; the CEL
+    // rules refuse it in the other modes) and reads back the ready decoders.
+    scale(
+        spec_replicas_path = ".spec.autoscaling.replicas",
+        status_replicas_path = ".status.decoders.ready"
+    ),
     printcolumn(
         name = "Ready",
         type_ = "string",
@@ -150,6 +157,7 @@ pub struct S3Source {
 /// A Secret in the pipeline's namespace.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct SecretRef {
+    /// Name of the Secret.
     #[schemars(
         length(min = 1, max = 253),
         regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -253,14 +261,6 @@ pub struct Trainer {
     /// Where batches are placed for the trainer.
     #[serde(default)]
     pub gpu_placement: GpuPlacement,
-    /// ServiceAccount of the trainer pods: the operator grants it read access to decoder pods
-    /// so that the sidecar can discover them.
-    #[serde(default = "default_sa")]
-    #[schemars(
-        length(min = 1, max = 253),
-        regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-    )]
-    pub service_account_name: String,
 }
 
 impl Default for Trainer {
@@ -269,7 +269,6 @@ impl Default for Trainer {
             prefetch_batches: default_prefetch(),
             shared_memory: default_shm(),
             gpu_placement: GpuPlacement::default(),
-            service_account_name: default_sa(),
         }
     }
 }
@@ -280,18 +279,17 @@ fn default_prefetch() -> i64 {
 fn default_shm() -> String {
     "1Gi".into()
 }
-fn default_sa() -> String {
-    "default".into()
-}
 
 /// The decoder fleet.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = kube::core::Rule::new("self.minReplicas <= self.maxReplicas").message("decoders.minReplicas must not exceed decoders.maxReplicas"))]
 pub struct Decoders {
+    /// Fewest decoder pods (the count in mode recommend, the floor in mode auto).
     #[serde(default = "default_min")]
     #[schemars(range(min = 0, max = 2000))]
     pub min_replicas: i32,
+    /// Most decoder pods the autoscaler may run.
     #[serde(default = "default_max")]
     #[schemars(range(min = 1, max = 2000))]
     pub max_replicas: i32,
@@ -299,13 +297,25 @@ pub struct Decoders {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 512))]
     pub image: Option<String>,
+    /// ServiceAccount the decoder pods run as, for cloud identity to S3 (IRSA, GKE workload
+    /// identity); it must exist in the pipeline's namespace. Unset: a per-pipeline account
+    /// with no permissions (`stoker-<name>-decoder`). Decoders mount no Kubernetes API token
+    /// either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
+    pub service_account_name: Option<String>,
     /// Resources of each decoder pod (default: 1 CPU, 1Gi requested).
     /// The bounds (not in k8s-openapi's schema) keep the quantity rules within the API server's
     /// CEL cost budget.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("properties" = {
-        "claims": {"type": "array", "maxItems": 16, "items": {"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string", "maxLength": 253}, "request": {"type": "string", "maxLength": 253}}}},
+        "claims": {"type": "array", "maxItems": 16, "description": "Dynamic resource claims of the pod each decoder uses.",
+            "items": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "maxLength": 253, "description": "Name of one of the pod's resourceClaims."},
+            "request": {"type": "string", "maxLength": 253, "description": "One request of that claim; empty uses all of them."}}}},
         "limits": {"type": "object", "maxProperties": 16, "description": "Most each decoder may use.",
             "additionalProperties": {"x-kubernetes-int-or-string": true, "maxLength": 64}},
         "requests": {"type": "object", "maxProperties": 16, "description": "What each decoder is scheduled with.",
@@ -353,6 +363,7 @@ impl Default for Decoders {
             min_replicas: default_min(),
             max_replicas: default_max(),
             image: None,
+            service_account_name: None,
             resources: None,
             node_selector: BTreeMap::new(),
             tolerations: Vec::new(),
@@ -420,9 +431,11 @@ pub struct Autoscaling {
     #[serde(default = "default_nic")]
     #[schemars(range(min = 1, max = 100))]
     pub max_nic_utilization_percent: i32,
+    /// Seconds a higher recommendation must hold before the fleet grows.
     #[serde(default)]
     #[schemars(range(min = 0, max = 3600))]
     pub scale_up_stabilization_seconds: i32,
+    /// Seconds the fleet keeps the highest recommendation of the window before it shrinks.
     #[serde(default = "default_down_window")]
     #[schemars(range(min = 0, max = 86400))]
     pub scale_down_stabilization_seconds: i32,
@@ -483,6 +496,7 @@ pub enum AutoscalingMode {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct DataPipelineStatus {
+    /// The metadata.generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// Ready, Degraded, and the autoscaler's Starved, NetworkSaturated, S3Throttled, MetricsUnavailable.
@@ -504,7 +518,9 @@ pub struct DataPipelineStatus {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct DecoderFleetStatus {
+    /// Decoder pods the operator wants now (fixed count, minimum, or the autoscaler's decision).
     pub desired: i32,
+    /// Decoder pods ready and serving.
     pub ready: i32,
     /// Pods taken out of discovery, waiting for their drain period to end.
     pub draining: i32,
@@ -533,12 +549,16 @@ pub struct TrainerStatus {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct ObservedSignals {
+    /// Share of wall time the trainer rank that gates the step waited for data (%).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_wait_percent: Option<f64>,
+    /// Mean GPU utilization of the trainer pods (%), when dcgm-exporter reports it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_utilization_percent: Option<f64>,
+    /// Samples the sidecars delivered to the trainers per second.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub samples_per_second: Option<f64>,
+    /// Utilization of the busiest NIC among the pipeline's nodes (%).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_nic_utilization_percent: Option<f64>,
 }
@@ -547,9 +567,13 @@ pub struct ObservedSignals {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ScaleRecord {
+    /// When the count changed.
     pub time: Time,
+    /// Decoder count before.
     pub from: i32,
+    /// Decoder count after.
     pub to: i32,
+    /// The decision's reason, in numbers (data wait, demand, per-decoder rate).
     #[schemars(length(max = 1024))]
     pub reason: String,
 }

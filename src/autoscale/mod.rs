@@ -1,21 +1,19 @@
 //! The decoder autoscaler. Per pipeline and period: read [`Signals`] from Prometheus
-//! (`prometheus.rs`, the only I/O here), decide with the pure [`policy`], remember the decision
-//! in a [`ScaleHistory`] for the stabilization windows, and export what it saw (`metrics.rs`).
-//! The controller's `autoscaling.rs` is only the adapter that lists nodes, reads Prometheus
-//! and tells the sidecars their local-decode share.
+//! (`prometheus.rs`, in the background through [`cache::SignalCache`], never inside a
+//! reconcile), decide with the pure [`policy`], remember the decision in a [`ScaleHistory`] for
+//! the stabilization windows, and export what it saw (`metrics.rs`). The controller's
+//! `autoscaling.rs` is only the adapter that asks the cache, decides on a fresh snapshot and
+//! tells the sidecars their local-decode share.
 //!
-//! The controller holds [`AutoscalerSettings`], `settings.reader()` and an [`Autoscaler`]
-//! (behind a mutex) in its context, and per reconcile of a pipeline, when
-//! `autoscaler.due(&pipeline_key(&dp), now, settings.period)`:
+//! Per reconcile of a pipeline in `auto` or `recommend` mode:
 //! ```text
-//! let fleet = DecoderFleet::observe(in_effect, &decoders, &trainers, world_size, &nodes);
-//! let scope = fleet.scope(&namespace, &name, &trainers, settings.defaults.window);
-//! let signals = match prometheus.read(&scope).await {                 // Err: keep the size
-//!     Ok(s) => Some(s),
-//!     Err(e) => { metrics.signal_error(e.category()); None }
-//! };
-//! let decision = autoscaler.step_pipeline(&dp, &settings.defaults, &fleet, signals.as_ref(), now);
-//! metrics.record(&namespace, &name, &decision);
+//! let fleet = DecoderFleet::observe(in_effect, &decoders, &trainers, world_size);
+//! cache.ask(&key, fleet.scope(&namespace, &name, &trainers, window), &client); // never waits
+//! if let Latest::Fresh(snapshot) = cache.take(&key, Instant::now()) {          // once per read
+//!     fleet.node_link_bytes_per_second = snapshot.node_links?;    // Err: no decision, Degraded
+//!     let decision = autoscaler.step_pipeline(&dp, &defaults, &fleet, snapshot.signals.ok(), now);
+//!     metrics.record(&namespace, &name, &decision);
+//! }
 //! ```
 //! and on every reconcile, `decoder_count(&dp.spec, decision, in_effect)` is the count the fleet
 //! runs (and why); new decoders go through `keep_off(pod, autoscaler.avoid_nodes(key))`,
@@ -23,6 +21,7 @@
 //! sidecars, and `decision.condition_reports()`, `decision.observed_signals()` and the reason
 //! (`status.lastScale`, an Event) go into the status.
 
+pub mod cache;
 pub mod metrics;
 pub mod policy;
 pub mod prometheus;
@@ -31,7 +30,7 @@ pub mod signals;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
@@ -90,14 +89,9 @@ pub const ANNOTATION_NIC_GBPS: &str = "stoker.dev/nic-gbps";
 impl DecoderFleet {
     /// The fleet as the controller observed it: `replicas` is the count in effect
     /// (`status.decoders.desired`), `world_size` the trainers' declared world size. Pods that
-    /// are terminating or not yet scheduled have no node and place nothing.
-    pub fn observe(
-        replicas: u32,
-        decoders: &[Pod],
-        trainers: &[Pod],
-        world_size: u32,
-        nodes: &[Node],
-    ) -> Self {
+    /// are terminating or not yet scheduled have no node and place nothing. The nodes' link
+    /// speeds come later, from the background read ([`cache::link_speeds`]).
+    pub fn observe(replicas: u32, decoders: &[Pod], trainers: &[Pod], world_size: u32) -> Self {
         let node_of = |p: &Pod| p.spec.as_ref().and_then(|s| s.node_name.clone());
         let live = |p: &&Pod| p.metadata.deletion_timestamp.is_none();
         let mut trainer_nodes: BTreeMap<String, u32> = BTreeMap::new();
@@ -113,19 +107,7 @@ impl DecoderFleet {
                 .collect(),
             trainers: world_size,
             trainer_nodes,
-            node_link_bytes_per_second: nodes
-                .iter()
-                .filter_map(|n| {
-                    let gbps: f64 = n
-                        .annotations()
-                        .get(ANNOTATION_NIC_GBPS)?
-                        .trim()
-                        .parse()
-                        .ok()?;
-                    (gbps.is_finite() && gbps > 0.0)
-                        .then(|| (n.name_any(), signals::gbps_to_bytes_per_second(gbps)))
-                })
-                .collect(),
+            node_link_bytes_per_second: BTreeMap::new(),
         }
     }
 
@@ -341,16 +323,8 @@ mod tests {
         .expect("pod")
     }
 
-    fn node(name: &str, gbps: Option<&str>) -> Node {
-        let annotations = gbps.map(|g| serde_json::json!({ ANNOTATION_NIC_GBPS: g }));
-        serde_json::from_value(serde_json::json!({
-            "metadata": { "name": name, "annotations": annotations },
-        }))
-        .expect("node")
-    }
-
     #[test]
-    fn the_fleet_is_read_from_pods_and_nodes() {
+    fn the_fleet_is_read_from_pods() {
         let decoders = [
             pod("d-1", Some("cpu-1")),
             pod("d-2", Some("cpu-2")),
@@ -361,21 +335,12 @@ mod tests {
             pod("t-1", Some("gpu-1")),
             pod("t-2", Some("gpu-2")),
         ];
-        let nodes = [
-            node("gpu-1", Some("100")),
-            node("gpu-2", Some("fast")),
-            node("cpu-1", None),
-        ];
-        let f = DecoderFleet::observe(3, &decoders, &trainers, 3, &nodes);
+        let f = DecoderFleet::observe(3, &decoders, &trainers, 3);
         assert_eq!(f.replicas, 3);
         assert_eq!(f.pods.len(), 2, "an unscheduled decoder places nothing");
         assert_eq!(
             f.trainer_nodes,
             BTreeMap::from([("gpu-1".into(), 2), ("gpu-2".into(), 1)])
-        );
-        assert_eq!(
-            f.node_link_bytes_per_second,
-            BTreeMap::from([("gpu-1".into(), 12.5e9)])
         );
         let scope = f.scope("training", "qwen", &trainers, Duration::from_secs(60));
         assert_eq!(scope.nodes, ["cpu-1", "cpu-2", "gpu-1", "gpu-2"]);

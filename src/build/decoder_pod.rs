@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, EnvVar, HTTPGetAction, Pod,
-    PodSecurityContext, PodSpec, Probe, ResourceRequirements, SecretEnvSource,
+    PodSecurityContext, PodSpec, Probe, ResourceRequirements, SecretEnvSource, SecretVolumeSource,
     TopologySpreadConstraint, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -20,7 +20,9 @@ use super::{
     runtime_default_seccomp,
 };
 use crate::api::{DataPipeline, LABEL_DRAINING, LABEL_ROLE, LABEL_TEMPLATE_HASH, ROLE_DECODER};
-use stoker_contract::{DECODER_GRPC_PORT, DECODER_METRICS_PORT, RenderError, ResizeMode};
+use stoker_contract::{
+    DECODER_GRPC_PORT, DECODER_METRICS_PORT, RenderError, ResizeMode, TLS_DIR, TlsArgs,
+};
 
 pub const DECODER_CONTAINER: &str = "decoder";
 const HOSTNAME_KEY: &str = "kubernetes.io/hostname";
@@ -30,6 +32,53 @@ const ZONE_KEY: &str = "topology.kubernetes.io/zone";
 /// pipeline with no credentials Secret would read S3 as the node's instance role. Web identity
 /// (IRSA, workload identity) does not use IMDS and keeps working.
 pub const IMDS_DISABLED_ENV: &str = "AWS_EC2_METADATA_DISABLED";
+
+/// The pod volume of the pipeline's TLS Secret, in decoders and trainer pods.
+pub const TLS_VOLUME: &str = "stoker-tls";
+
+/// The Secret holding the pipeline's certificate, key and the installation's CA, which the
+/// operator issues and rotates (`controller::certs`).
+pub fn tls_secret_name(dp: &DataPipeline) -> String {
+    format!("{}-tls", super::decoder_service_name(dp))
+}
+
+/// The name the pipeline's certificate carries and decoders and sidecars require of each other.
+pub fn tls_peer_name(dp: &DataPipeline) -> String {
+    stoker_contract::pipeline_tls_name(
+        &super::decoder_service_name(dp),
+        &dp.namespace().unwrap_or_default(),
+    )
+}
+
+/// The loader's TLS flags for `dp`: its Secret's mount and its name.
+pub fn tls_args(dp: &DataPipeline) -> TlsArgs {
+    TlsArgs {
+        tls_dir: Some(TLS_DIR.into()),
+        tls_peer_name: Some(tls_peer_name(dp)),
+    }
+}
+
+/// The Secret as a volume; a pod waits for it rather than start without mutual TLS.
+pub fn tls_volume(dp: &DataPipeline) -> Volume {
+    Volume {
+        name: TLS_VOLUME.to_string(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(tls_secret_name(dp)),
+            optional: Some(false),
+            ..SecretVolumeSource::default()
+        }),
+        ..Volume::default()
+    }
+}
+
+pub fn tls_mount() -> VolumeMount {
+    VolumeMount {
+        name: TLS_VOLUME.to_string(),
+        mount_path: TLS_DIR.to_string(),
+        read_only: Some(true),
+        ..VolumeMount::default()
+    }
+}
 
 fn default_resources() -> ResourceRequirements {
     ResourceRequirements {
@@ -163,6 +212,7 @@ pub fn decoder_pod_spec(
     let container = Container {
         name: DECODER_CONTAINER.to_string(),
         image: Some(defaults.loader_image(dp)),
+        command: Some(vec![super::LOADER_COMMAND.to_string()]),
         args: Some(super::loader_args::decoder_args(dp)?),
         // Decoders have no ServiceAccount token (no IRSA): they read S3 with the pipeline's
         // Secret, or with the node's role only when the pipeline opts in.
@@ -202,11 +252,14 @@ pub fn decoder_pod_spec(
         }),
         resources: Some(decoder_resources(dp)?),
         security_context: Some(restricted_security_context()),
-        volume_mounts: Some(vec![VolumeMount {
-            name: "tmp".to_string(),
-            mount_path: "/tmp".to_string(),
-            ..VolumeMount::default()
-        }]),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: "tmp".to_string(),
+                mount_path: "/tmp".to_string(),
+                ..VolumeMount::default()
+            },
+            tls_mount(),
+        ]),
         ..Container::default()
     };
     Ok(PodSpec {
@@ -214,6 +267,9 @@ pub fn decoder_pod_spec(
         node_selector: (!d.node_selector.is_empty()).then(|| d.node_selector.clone()),
         tolerations: (!d.tolerations.is_empty()).then(|| d.tolerations.clone()),
         topology_spread_constraints: Some(spread),
+        // `decoders.serviceAccountName` (IRSA, workload identity) or the pipeline's decoder
+        // account with no permissions; either way no API token: decoders never call the API.
+        service_account_name: Some(super::sidecar_rbac::decoder_service_account(dp)),
         automount_service_account_token: Some(false),
         enable_service_links: Some(false),
         restart_policy: Some("Always".to_string()),
@@ -225,11 +281,14 @@ pub fn decoder_pod_spec(
             seccomp_profile: Some(runtime_default_seccomp()),
             ..PodSecurityContext::default()
         }),
-        volumes: Some(vec![Volume {
-            name: "tmp".to_string(),
-            empty_dir: Some(EmptyDirVolumeSource::default()),
-            ..Volume::default()
-        }]),
+        volumes: Some(vec![
+            Volume {
+                name: "tmp".to_string(),
+                empty_dir: Some(EmptyDirVolumeSource::default()),
+                ..Volume::default()
+            },
+            tls_volume(dp),
+        ]),
         ..PodSpec::default()
     })
 }

@@ -58,6 +58,7 @@ pub fn decode(dp: &DataPipeline) -> Result<DecodeArgs, clap::Error> {
         grpc_addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, DECODER_GRPC_PORT)),
         threads: super::decoder_pod::decoder_cpus(dp),
         s3: s3_args(dp, defaults.s3.clone()),
+        tls: super::decoder_pod::tls_args(dp),
         ..defaults
     })
 }
@@ -98,6 +99,7 @@ pub fn sidecar(dp: &DataPipeline) -> Result<SidecarArgs, clap::Error> {
         slot_bytes,
         transform,
         s3: s3_args(dp, defaults.s3.clone()),
+        tls: super::decoder_pod::tls_args(dp),
         ..defaults
     })
 }

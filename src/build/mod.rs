@@ -104,6 +104,10 @@ pub fn owner_reference(dp: &DataPipeline) -> Option<OwnerReference> {
     })
 }
 
+/// The loader's path in stoker's one image (`Containerfile`): the image's entrypoint is the
+/// operator, so decoder and sidecar containers name the loader.
+pub const LOADER_COMMAND: &str = "/usr/local/bin/stoker-loader";
+
 /// The restricted container security context (Pod Security Standard "restricted").
 pub fn restricted_security_context() -> SecurityContext {
     SecurityContext {
@@ -255,6 +259,9 @@ mod tests {
         assert_eq!(rules[1].resources, Some(vec!["events".to_string()]));
         assert_eq!(rules[1].verbs, ["create", "patch"]);
         let binding = sidecar_rbac::sidecar_role_binding(&dp());
-        assert_eq!(binding.subjects.expect("subjects")[0].name, "default");
+        assert_eq!(
+            binding.subjects.expect("subjects")[0].name,
+            "stoker-qwen3vl-pretrain-sidecar"
+        );
     }
 }

@@ -381,6 +381,7 @@ pub fn sidecar(
     Ok(Container {
         name: SIDECAR_NAME.to_string(),
         image: Some(defaults.loader_image(dp)),
+        command: Some(vec![super::LOADER_COMMAND.to_string()]),
         args: Some(super::loader_args::sidecar_args(dp)?),
         restart_policy: Some("Always".to_string()),
         // No STOKER_SOCKET: the sidecar names one socket per local rank in the shm dir.
@@ -411,7 +412,12 @@ pub fn sidecar(
             .as_ref()
             .map(|base| sidecar_resources(base, shm_bytes(dp, local_ranks))),
         security_context: Some(security),
-        volume_mounts: Some(vec![shm_mount()]),
+        volume_mounts: Some(vec![
+            shm_mount(),
+            super::decoder_pod::tls_mount(),
+            // The sidecar's own identity, not the trainer's (see `sidecar_rbac`).
+            super::sidecar_rbac::sidecar_token_mount(),
+        ]),
         ..Container::default()
     })
 }

@@ -3,7 +3,7 @@
 
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::NamespaceResourceScope;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::Store;
@@ -35,21 +35,79 @@ pub async fn apply_desired(
         network_policy,
         sidecar_role,
         sidecar_role_binding,
+        sidecar_service_account,
+        sidecar_token,
+        decoder_service_account,
         decoders,
     } = desired;
     let client = &ctx.client;
     // The watches' copies: children already as built are not applied again.
     let cached = ctx.children();
     let c = cached.as_ref();
+    let accounts = c.map(|c| &c.service_accounts);
+    let decoder_account = async {
+        match decoder_service_account {
+            Some(sa) => apply_child(client, sa, accounts).await,
+            None => Ok(false),
+        }
+    };
     let applied = futures::try_join!(
         apply_child(client, service, c.map(|c| &c.services)),
         apply_child(client, network_policy, c.map(|c| &c.network_policies)),
         apply_child(client, sidecar_role, c.map(|c| &c.roles)),
         apply_child(client, sidecar_role_binding, c.map(|c| &c.role_bindings)),
+        apply_child(client, sidecar_service_account, accounts),
+        decoder_account,
     )?;
-    let (a, b, c, d) = applied;
-    ctx.metrics.children_applied(&[a, b, c, d]);
+    let (a, b, c, d, e, f) = applied;
+    ctx.metrics.children_applied(&[a, b, c, d, e, f]);
+    create_token_secret(ctx, sidecar_token).await?;
     apply_decoder_changes(ctx, key, decoders, now).await
+}
+
+/// Creates the sidecar's token Secret once per pipeline and process (after its ServiceAccount,
+/// which the token controller requires); one that exists is left alone. Create only: the
+/// operator never reads the token kube-controller-manager puts there.
+async fn create_token_secret(ctx: &Context, secret: &Secret) -> Result<(), Error> {
+    let owner = secret
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .map(|o| o.uid.as_str())
+        .next()
+        .unwrap_or_default();
+    let namespace = secret.metadata.namespace.clone().unwrap_or_default();
+    let name = secret.metadata.name.clone().unwrap_or_default();
+    let known = format!("{owner}/{namespace}/{name}");
+    let tokens = || {
+        ctx.sidecar_tokens
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    if tokens().contains(&known) {
+        return Ok(());
+    }
+    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
+    let params = PostParams {
+        field_manager: Some(FIELD_MANAGER.to_string()),
+        ..PostParams::default()
+    };
+    let created = match api.create(&params, secret).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(source) => Err(Error::Kube {
+            verb: "create",
+            kind: "Secret",
+            namespace,
+            name,
+            source,
+        }),
+    };
+    if created.is_ok() {
+        tokens().insert(known);
+    }
+    created
 }
 
 /// Creates, drains and deletes decoder pods, each remembered as it lands (see
@@ -247,6 +305,7 @@ fn short_kind<K: Resource<DynamicType = ()>>() -> &'static str {
         "NetworkPolicy" => "NetworkPolicy",
         "Role" => "Role",
         "RoleBinding" => "RoleBinding",
+        "ServiceAccount" => "ServiceAccount",
         _ => "object",
     }
 }

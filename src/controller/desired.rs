@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::{Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::jiff::Timestamp;
@@ -43,6 +43,11 @@ pub struct Desired {
     pub network_policy: NetworkPolicy,
     pub sidecar_role: Role,
     pub sidecar_role_binding: RoleBinding,
+    /// The sidecar's own identity and its token Secret (see [`sidecar_rbac`]).
+    pub sidecar_service_account: ServiceAccount,
+    pub sidecar_token: Secret,
+    /// The decoders' ServiceAccount, unless the pipeline names its own.
+    pub decoder_service_account: Option<ServiceAccount>,
     pub decoders: DecoderChanges,
 }
 
@@ -84,6 +89,9 @@ pub fn desired(
         network_policy: network_policy::network_policy(dp),
         sidecar_role: sidecar_rbac::sidecar_role(dp),
         sidecar_role_binding: sidecar_rbac::sidecar_role_binding(dp),
+        sidecar_service_account: sidecar_rbac::sidecar_service_account(dp),
+        sidecar_token: sidecar_rbac::sidecar_token_secret(dp),
+        decoder_service_account: sidecar_rbac::decoder_service_account_object(dp),
         decoders: decoder_changes(dp, observed, scale, defaults, now)?,
     })
 }

@@ -24,6 +24,8 @@ pub enum Error {
         #[source]
         source: stoker_contract::RenderError,
     },
+    #[error(transparent)]
+    Certificates(#[from] super::certs::CertError),
 }
 
 impl Error {
@@ -40,6 +42,7 @@ impl Error {
             Self::Build { .. } => "build",
             Self::MissingNamespace(_) => "invalid_object",
             Self::LoaderArgs { source, .. } => source.category(),
+            Self::Certificates(e) => e.category(),
         }
     }
 

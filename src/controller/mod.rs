@@ -3,6 +3,7 @@
 
 pub mod apply;
 pub mod autoscaling;
+pub mod certs;
 pub mod desired;
 mod error;
 pub mod expectations;
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 
 pub use error::Error;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod, Service};
+use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::Api;
@@ -62,6 +63,9 @@ pub struct Context {
     /// Publishes reconcile failures; one Recorder for all of them, so that a failure that
     /// repeats becomes one Event series with a count rather than an Event per retry.
     pub failure_events: Recorder,
+    /// Sidecar token Secrets known to exist (by owner UID and name), so each is created once
+    /// per process rather than tried on every reconcile.
+    pub sidecar_tokens: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 /// What the controller's watches last saw of the pipelines' pods and of the children it applies:
@@ -75,6 +79,7 @@ pub struct ChildStores {
     pub network_policies: Store<NetworkPolicy>,
     pub roles: Store<Role>,
     pub role_bindings: Store<RoleBinding>,
+    pub service_accounts: Store<ServiceAccount>,
 }
 
 impl ChildStores {
@@ -127,6 +132,7 @@ impl Context {
             autoscaler: None,
             children: RwLock::new(None),
             pod_writes: expectations::PodExpectations::default(),
+            sidecar_tokens: std::sync::Mutex::default(),
         }
     }
 
@@ -213,6 +219,8 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     let (roles, role_changes) = cached(scoped::<Role>(&client, ns), &managed);
     let (role_bindings, role_binding_changes) =
         cached(scoped::<RoleBinding>(&client, ns), &managed);
+    let (service_accounts, service_account_changes) =
+        cached(scoped::<ServiceAccount>(&client, ns), &managed);
     // A sidecar's SourceUnavailable Event on a pipeline: reconcile it, so the condition shows.
     let outage_events = watcher::Config::default().fields(&format!(
         "involvedObject.kind=DataPipeline,reason={}",
@@ -229,7 +237,13 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         network_policies,
         roles,
         role_bindings,
+        service_accounts,
     }));
+    // A new snapshot of a pipeline's autoscaler signals: decide on it now.
+    let signal_reads = match &ctx.autoscaler {
+        Some(autoscaler) => autoscaler.reconcile_triggers(),
+        None => futures::stream::pending().boxed(),
+    };
     let running = ctx.clone();
     Controller::new(
         scoped::<DataPipeline>(&client, ns),
@@ -241,6 +255,7 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     .owns_stream(network_policy_changes)
     .owns_stream(role_changes)
     .owns_stream(role_binding_changes)
+    .owns_stream(service_account_changes)
     // Trainer pods are not owned, but their count and injection show in the status.
     .watches_stream(trainer_changes, |pod: Pod| {
         let ns = pod.namespace()?;
@@ -252,6 +267,7 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         let about = event.involved_object;
         Some(ObjectRef::<DataPipeline>::new(&about.name?).within(&about.namespace?))
     })
+    .reconcile_on(signal_reads)
     .graceful_shutdown_on(shutdown.cancelled_owned())
     .run(reconcile::reconcile, error_policy, ctx)
     .for_each(|_| futures::future::ready(()))

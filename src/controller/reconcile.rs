@@ -14,7 +14,9 @@ use kube::{Resource, ResourceExt};
 
 use super::desired::{DecoderChanges, Desired, Observed, Scale, desired};
 use super::status::SOURCE_UNAVAILABLE;
-use super::{ChildStores, Context, Error, FIELD_MANAGER, apply, fleet, status, trainers, validate};
+use super::{
+    ChildStores, Context, Error, FIELD_MANAGER, apply, certs, fleet, status, trainers, validate,
+};
 use crate::api::v1alpha1::{AutoscalingMode, DataPipelineStatus};
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
 
@@ -92,9 +94,12 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
             name: key.1.clone(),
             source,
         })?;
+    // Before the decoders that mount it: a pod whose Secret is missing waits for it.
+    certs::ensure_pipeline_secret(&ctx.client, dp).await?;
     apply::apply_desired(ctx, &key, &desired, now).await?;
     report(ctx, dp, &key, &desired.decoders, &scale).await;
-    let status = settled_status(dp, &observed, &desired, &scale, now);
+    let mut status = settled_status(dp, &observed, &desired, &scale, now);
+    autoscaler_degraded(ctx, dp, &mut status, now).await;
     write_status(ctx, dp, &key, &status).await?;
     Ok(next_look(ctx, dp, &observed, &desired))
 }
@@ -195,7 +200,7 @@ async fn decide(
     };
     let decision = match dp.spec.autoscaling.mode {
         AutoscalingMode::Off => None,
-        _ => autoscaler.decide(&ctx.client, dp, observed, now).await?,
+        _ => autoscaler.decide(&ctx.client, dp, observed, now).await,
     };
     Ok(Scale {
         decision,
@@ -205,6 +210,49 @@ async fn decide(
             .map(|s| u32::try_from(s.decoders.desired).unwrap_or(0)),
         avoid_nodes: autoscaler.avoid_nodes(dp),
     })
+}
+
+/// An autoscaler that could not decide (its node list failed) shows as `Degraded` unless the
+/// reconcile found a problem of its own, with a Warning Event when it starts; the rest of the
+/// reconcile went on without a decision.
+async fn autoscaler_degraded(
+    ctx: &Context,
+    dp: &DataPipeline,
+    new_status: &mut DataPipelineStatus,
+    now: Timestamp,
+) {
+    let Some(d) = ctx.autoscaler.as_ref().and_then(|a| a.degraded(dp)) else {
+        return;
+    };
+    let degraded = |s: &DataPipelineStatus| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == status::DEGRADED)
+            .map(|c| (c.status.clone(), c.reason.clone()))
+    };
+    if degraded(new_status).is_some_and(|(s, _)| s == "True") {
+        return;
+    }
+    let was = dp.status.as_ref().and_then(degraded);
+    status::set_condition(
+        &mut new_status.conditions,
+        status::DEGRADED,
+        "True",
+        d.reason,
+        d.message.clone(),
+        dp.meta().generation,
+        now,
+    );
+    if was.is_none_or(|(_, reason)| reason != d.reason) {
+        publish(
+            ctx,
+            &dp.object_ref(&()),
+            d.reason,
+            &d.message,
+            EventType::Warning,
+        )
+        .await;
+    }
 }
 
 /// The status of a pipeline that cannot run as written: nothing is applied.

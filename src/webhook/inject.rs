@@ -7,10 +7,12 @@ use kube::ResourceExt;
 
 use crate::api::{ANNOTATION_INJECTED, DataPipeline, LABEL_ROLE, ROLE_TRAINER};
 use crate::build::BuildDefaults;
+use crate::build::decoder_pod::{TLS_VOLUME, tls_volume};
 use crate::build::sidecar::{
     LocalRanksError, SHM_VOLUME, SIDECAR_NAME, client_env, env, local_ranks, share_ring_group,
     shm_mount, shm_volume, sidecar,
 };
+use crate::build::sidecar_rbac::{SIDECAR_TOKEN_VOLUME, sidecar_token_volume};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InjectError {
@@ -68,6 +70,14 @@ pub fn inject(
     let volumes = spec.volumes.get_or_insert_with(Vec::new);
     if !volumes.iter().any(|v| v.name == SHM_VOLUME) {
         volumes.push(shm_volume(dp, local_ranks));
+    }
+    // The pipeline's certificate, which the sidecar presents to its decoders.
+    if !volumes.iter().any(|v| v.name == TLS_VOLUME) {
+        volumes.push(tls_volume(dp));
+    }
+    // The sidecar's ServiceAccount token; only the sidecar mounts it.
+    if !volumes.iter().any(|v| v.name == SIDECAR_TOKEN_VOLUME) {
+        volumes.push(sidecar_token_volume(dp));
     }
 
     for c in &mut spec.containers {

@@ -412,8 +412,20 @@ impl ControlPlane {
         Ok(kube::Client::try_from(config)?)
     }
 
-    /// A fresh namespace for one test, deleted when the returned guard drops.
+    /// A fresh namespace for one test, deleted when the returned guard drops. It enforces the
+    /// restricted Pod Security Standard ([`restricted_namespace_labels`]), as a cluster's
+    /// training namespaces do: the API server refuses any pod in it that is not restricted.
     pub async fn namespace(&'static self, prefix: &str) -> TestNamespace {
+        self.namespace_enforcing(prefix, "restricted").await
+    }
+
+    /// A namespace that admits privileged pods: only for tests of the node runtime's
+    /// host-process mode, whose containers are root processes of this machine and say so.
+    pub async fn privileged_namespace(&'static self, prefix: &str) -> TestNamespace {
+        self.namespace_enforcing(prefix, "privileged").await
+    }
+
+    async fn namespace_enforcing(&'static self, prefix: &str, level: &str) -> TestNamespace {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let name = format!(
             "{prefix}-{}-{}",
@@ -425,6 +437,7 @@ impl ControlPlane {
             let ns = Namespace {
                 metadata: ObjectMeta {
                     name: Some(name.clone()),
+                    labels: Some([(POD_SECURITY_ENFORCE.to_string(), level.to_string())].into()),
                     ..Default::default()
                 },
                 ..Default::default()
@@ -566,6 +579,36 @@ impl Drop for TestNamespace {
             .args(["delete", "namespace", &self.name, "--wait=false"])
             .output();
     }
+}
+
+/// The Pod Security Admission label every test namespace (and the demo's) carries: the real API
+/// server refuses a pod that breaks the restricted standard, so stoker's decoders, its injected
+/// sidecar and the tests' trainers run as they must on a hardened cluster.
+pub const POD_SECURITY_ENFORCE: &str = "pod-security.kubernetes.io/enforce";
+
+/// `pod-security.kubernetes.io/enforce: restricted`, for a namespace's labels.
+pub fn restricted_namespace_labels() -> std::collections::BTreeMap<String, String> {
+    [(POD_SECURITY_ENFORCE.to_string(), "restricted".to_string())].into()
+}
+
+/// The pod-level `securityContext` of a test trainer under the restricted standard: a non-root
+/// user (`uid`, its group too) and the runtime's default seccomp profile.
+pub fn restricted_pod_security(uid: i64) -> serde_json::Value {
+    serde_json::json!({
+        "runAsNonRoot": true,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    })
+}
+
+/// The container-level `securityContext` the restricted standard requires of every container
+/// (it has no pod-level form): no privilege escalation, every capability dropped.
+pub fn restricted_container_security() -> serde_json::Value {
+    serde_json::json!({
+        "allowPrivilegeEscalation": false,
+        "capabilities": {"drop": ["ALL"]},
+    })
 }
 
 fn node_ready(node: &Node) -> bool {

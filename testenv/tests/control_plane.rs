@@ -9,7 +9,9 @@ use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::time::Duration;
-use stoker_testenv::cluster::ControlPlane;
+use stoker_testenv::cluster::{
+    ControlPlane, restricted_container_security, restricted_pod_security,
+};
 use stoker_testenv::nodes::POOL_LABEL;
 
 use stoker_testenv::eventually;
@@ -24,7 +26,9 @@ fn pod_ready(pod: &Pod) -> bool {
 
 fn pod(name: &str, labels: serde_json::Value, extra_spec: serde_json::Value) -> Pod {
     let mut spec = json!({
-        "containers": [{"name": "main", "image": "registry.invalid/stoker/none:1"}],
+        "securityContext": restricted_pod_security(65532),
+        "containers": [{"name": "main", "image": "registry.invalid/stoker/none:1",
+                        "securityContext": restricted_container_security()}],
         "nodeSelector": {POOL_LABEL: "cpu"},
     });
     spec.as_object_mut()
@@ -104,6 +108,35 @@ async fn simulated_nodes_are_registered_and_ready() {
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 12);
 }
 
+/// Test namespaces enforce the restricted Pod Security Standard, as a hardened cluster's do: a pod
+/// that may run as root (no securityContext) is refused with the rules it breaks.
+#[tokio::test]
+async fn test_namespaces_refuse_a_pod_that_breaks_the_restricted_standard() {
+    let ns = ControlPlane::shared().namespace("restricted").await;
+    let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    let loose: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "loose"},
+        "spec": {"containers": [{"name": "main", "image": "registry.invalid/stoker/none:1"}]},
+    }))
+    .unwrap();
+    let message = match pods.create(&PostParams::default(), &loose).await {
+        Err(kube::Error::Api(s)) if s.code == 403 => s.message,
+        other => panic!("expected Pod Security to refuse the pod, got {other:?}"),
+    };
+    for rule in [
+        "violates PodSecurity \"restricted:latest\"",
+        "allowPrivilegeEscalation != false",
+        "unrestricted capabilities",
+        "runAsNonRoot != true",
+        "seccompProfile",
+    ] {
+        assert!(message.contains(rule), "{rule:?} not in: {message}");
+    }
+    pods.create(&PostParams::default(), &pod("strict", json!({}), json!({})))
+        .await
+        .expect("a restricted pod is admitted");
+}
+
 #[tokio::test]
 async fn scheduler_binds_a_pod_and_kwok_runs_it() {
     let ns = ControlPlane::shared().namespace("bind").await;
@@ -145,7 +178,9 @@ async fn deployment_pods_come_from_the_controller_manager() {
             "selector": {"matchLabels": {"app": "web"}},
             "template": {
                 "metadata": {"labels": {"app": "web"}},
-                "spec": {"containers": [{"name": "main", "image": "registry.invalid/web:1"}],
+                "spec": {"securityContext": restricted_pod_security(65532),
+                         "containers": [{"name": "main", "image": "registry.invalid/web:1",
+                                         "securityContext": restricted_container_security()}],
                          "nodeSelector": {POOL_LABEL: "cpu"}},
             },
         },

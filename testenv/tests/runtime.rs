@@ -1,5 +1,8 @@
 //! The node runtime runs pods bound to simulated nodes as local processes in per-node network
 //! namespaces with rate-limited NICs, and a real Prometheus scrapes them. Needs root.
+//!
+//! These are tests of host-process mode (the containers are root processes of this machine),
+//! so their namespaces admit privileged pods; `runc_runtime.rs` tests the strict mode.
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, PostParams};
@@ -102,7 +105,7 @@ async fn node_counters(rt: &NodeRuntime, node: &str) -> (u64, u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_runs_in_its_nodes_namespace_at_its_pod_ip_until_deleted() {
     let rt = runtime();
-    let ns = ControlPlane::shared().namespace("rt-pod").await;
+    let ns = ControlPlane::shared().privileged_namespace("rt-pod").await;
     let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
     let kubectl = ns.cluster().bin_dir().join("kubectl");
     // The container asks the API server (through the node namespace's proxy) for its node,
@@ -267,7 +270,7 @@ async fn b_a_nodes_nic_limit_holds_and_its_counters_count_the_bytes() {
 async fn c_prometheus_scrapes_node_nics_and_loader_pods() {
     let rt = runtime();
     let prometheus = Prometheus::shared(|| PrometheusOptions::new(rt.sd_dir()));
-    let ns = ControlPlane::shared().namespace("rt-prom").await;
+    let ns = ControlPlane::shared().privileged_namespace("rt-prom").await;
     let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
     let pod: Pod = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
@@ -443,7 +446,7 @@ async fn d_s3_gets_from_a_pod_cross_the_nodes_nic() {
     s3.create_bucket("data").unwrap();
     s3.put_object("data", "blob.bin", &vec![7u8; SIZE]).unwrap();
     let node = "cpu-5";
-    let ns = ControlPlane::shared().namespace("rt-s3").await;
+    let ns = ControlPlane::shared().privileged_namespace("rt-s3").await;
     let secrets: Api<k8s_openapi::api::core::v1::Secret> =
         Api::namespaced(ns.client.clone(), &ns.name);
     let secret = serde_json::from_value(json!({
@@ -506,7 +509,9 @@ async fn d_s3_gets_from_a_pod_cross_the_nodes_nic() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e_a_container_that_exits_is_restarted_with_backoff() {
     let rt = runtime();
-    let ns = ControlPlane::shared().namespace("rt-restart").await;
+    let ns = ControlPlane::shared()
+        .privileged_namespace("rt-restart")
+        .await;
     let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
     let pod: Pod = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "crash"},
@@ -574,7 +579,9 @@ async fn e_a_container_that_exits_is_restarted_with_backoff() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn f_a_native_sidecar_ends_with_the_regular_containers() {
     let rt = runtime();
-    let ns = ControlPlane::shared().namespace("rt-sidecar").await;
+    let ns = ControlPlane::shared()
+        .privileged_namespace("rt-sidecar")
+        .await;
     let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
     // As the webhook injects the loader: an init container with restartPolicy Always that
     // never exits on its own, beside a job that does (and a pod policy of Never).
@@ -625,7 +632,7 @@ async fn f_a_native_sidecar_ends_with_the_regular_containers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn g_the_runtimes_own_binary_is_not_rewritten_into_a_mount() {
     runtime();
-    let ns = ControlPlane::shared().namespace("rt-tmp").await;
+    let ns = ControlPlane::shared().privileged_namespace("rt-tmp").await;
     let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
     // The (fake) loader binary lives under /tmp, and the pod mounts an emptyDir at /tmp, as
     // the decoders do: container paths under /tmp go to the volume, the binary's must not.

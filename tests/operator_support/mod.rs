@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod exporter;
+pub mod prometheus_stub;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

@@ -34,3 +34,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "stoker.webhookSecret" -}}
 {{- printf "%s-webhook-tls" (include "stoker.fullname" .) -}}
 {{- end -}}
+
+{{- /* The one image: stoker-operator and stoker-loader, tagged with the chart's appVersion. */ -}}
+{{- define "stoker.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{- /*
+The autoscaler's queries (src/autoscale/prometheus.rs) select series by `namespace`, `pipeline`
+and `role`, and key them by `pod` and `node`. The Prometheus Operator adds `namespace`, `pod`
+and `container` to every PodMonitor target; these relabelings add the rest from the pod.
+*/ -}}
+{{- define "stoker.podRelabelings" -}}
+relabelings:
+  - sourceLabels: [__meta_kubernetes_pod_label_stoker_dev_pipeline]
+    targetLabel: pipeline
+  - sourceLabels: [__meta_kubernetes_pod_label_stoker_dev_role]
+    targetLabel: role
+  - sourceLabels: [__meta_kubernetes_pod_node_name]
+    targetLabel: node
+{{- end -}}

@@ -268,12 +268,15 @@ pub(super) fn decode(
             (raw::TJPF_TJPF_RGB, 3)
         };
         let (w, h) = (window.width as usize, window.height as usize);
-        out.clear();
-        out.resize(w * h * channels, 0);
-        d.decompress(data, out, w * channels, format)
+        let need = w * h * channels;
+        // libjpeg-turbo writes every byte: grow the reused buffer, never zero what it holds.
+        if out.len() < need {
+            out.resize(need, 0);
+        }
+        d.decompress(data, &mut out[..need], w * channels, format)
             .map_err(|e| classify(e, data))?;
         if header.cmyk {
-            cmyk_to_rgb_in_place(out);
+            cmyk_to_rgb_in_place(&mut out[..need]);
         }
         Ok(Decoded {
             width: window.width,
@@ -286,9 +289,9 @@ pub(super) fn decode(
     })
 }
 
-/// CMYK JPEGs (Adobe) store inverted ink values, so R = C·K/255 and so on; the buffer shrinks
-/// from 4 to 3 bytes per pixel in place.
-fn cmyk_to_rgb_in_place(buf: &mut Vec<u8>) {
+/// CMYK JPEGs (Adobe) store inverted ink values, so R = C·K/255 and so on; the pixels move
+/// from 4 to 3 bytes each, in place, to the front of the buffer.
+fn cmyk_to_rgb_in_place(buf: &mut [u8]) {
     let n = buf.len() / 4;
     for i in 0..n {
         let (c, m, y, k) = (
@@ -301,7 +304,6 @@ fn cmyk_to_rgb_in_place(buf: &mut Vec<u8>) {
         buf[i * 3 + 1] = (m * k / 255) as u8;
         buf[i * 3 + 2] = (y * k / 255) as u8;
     }
-    buf.truncate(n * 3);
 }
 
 #[cfg(test)]

@@ -202,6 +202,11 @@ impl Decoded {
         }
     }
 
+    /// Bytes of the decoded pixels (RGB8), at the front of the output buffer.
+    pub fn byte_len(&self) -> usize {
+        self.width as usize * self.height as usize * 3
+    }
+
     /// Where the decoded pixels sit in the full image.
     pub fn rect(&self) -> Rect {
         Rect {
@@ -213,8 +218,9 @@ impl Decoded {
     }
 }
 
-/// Decodes `data` (already probed) to packed RGB8 in `out`, which is resized as needed and
-/// reused across calls. For JPEG, `min_size` (stored orientation) lets libjpeg-turbo decode at
+/// Decodes `data` (already probed) to packed RGB8 at the front of `out`: its first
+/// [`Decoded::byte_len`] bytes. `out` is reused across calls: grown when too small, never
+/// shrunk nor cleared, so a decode writes its pixels without zeroing them first. For JPEG, `min_size` (stored orientation) lets libjpeg-turbo decode at
 /// 1/2, 1/4 or 1/8 scale in the DCT domain as long as the result stays at least that large,
 /// and `region` (stored orientation, full-resolution pixels) the part the caller reads: only it
 /// is decoded, widened to libjpeg-turbo's alignment. Other formats decode whole.

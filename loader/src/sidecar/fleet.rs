@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::OnceCell;
 
-use crate::worker::DecodeClient;
+use crate::worker::{DecodeClient, PipelineTls};
 
 #[derive(Debug, Clone, Copy)]
 pub struct FleetPolicy {
@@ -35,15 +35,17 @@ struct Health {
 
 pub struct DecodeWorkerHandle {
     pub endpoint: String,
+    tls: Option<Arc<PipelineTls>>,
     client: OnceCell<DecodeClient>,
     outstanding: AtomicUsize,
     health: Mutex<Health>,
 }
 
 impl DecodeWorkerHandle {
-    fn new(endpoint: String) -> Self {
+    fn new(endpoint: String, tls: Option<Arc<PipelineTls>>) -> Self {
         Self {
             endpoint,
+            tls,
             client: OnceCell::new(),
             outstanding: AtomicUsize::new(0),
             health: Mutex::new(Health::default()),
@@ -53,7 +55,7 @@ impl DecodeWorkerHandle {
     /// The connected client (connecting on first use; tonic reconnects it later by itself).
     pub async fn client(&self) -> Result<DecodeClient, tonic::transport::Error> {
         self.client
-            .get_or_try_init(|| DecodeClient::connect(self.endpoint.clone()))
+            .get_or_try_init(|| DecodeClient::connect_with(self.endpoint.clone(), self.tls.clone()))
             .await
             .cloned()
     }
@@ -94,6 +96,8 @@ pub struct DecoderFleet {
     policy: FleetPolicy,
     /// Where the next tie among equally loaded workers starts.
     turn: AtomicUsize,
+    /// The pipeline's certificate, presented to every worker; None: plaintext.
+    tls: Option<Arc<PipelineTls>>,
 }
 
 /// Counts for metrics.
@@ -109,7 +113,14 @@ impl DecoderFleet {
             workers: Mutex::default(),
             policy,
             turn: AtomicUsize::new(0),
+            tls: None,
         }
+    }
+
+    /// Connects to workers over mutual TLS with the pipeline's certificate.
+    pub fn with_tls(mut self, tls: Option<Arc<PipelineTls>>) -> Self {
+        self.tls = tls;
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<DecodeWorkerHandle>>> {
@@ -130,7 +141,7 @@ impl DecoderFleet {
         for e in endpoints {
             workers.entry(e.clone()).or_insert_with(|| {
                 added += 1;
-                Arc::new(DecodeWorkerHandle::new(e.clone()))
+                Arc::new(DecodeWorkerHandle::new(e.clone(), self.tls.clone()))
             });
         }
         (added, removed)

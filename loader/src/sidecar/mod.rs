@@ -43,6 +43,8 @@ pub enum SidecarError {
     Ring(#[from] RingError),
     #[error(transparent)]
     Discovery(#[from] discovery::DiscoveryError),
+    #[error(transparent)]
+    Tls(#[from] crate::worker::TlsError),
     #[error("binding {what} on {addr}: {source}")]
     Bind {
         what: &'static str,
@@ -80,6 +82,7 @@ impl SidecarError {
             SidecarError::Plan(e) => e.category(),
             SidecarError::Ring(e) => e.category(),
             SidecarError::Discovery(e) => e.category(),
+            SidecarError::Tls(e) => e.category(),
             SidecarError::Bind { .. } => "bind",
             SidecarError::Pool { .. } => "pool",
             SidecarError::StartBatch { .. } => "start_batch",

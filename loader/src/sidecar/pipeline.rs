@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::future::join_all;
 use tokio::sync::{Notify, watch};
 use tokio::task::AbortHandle;
 
@@ -657,14 +656,7 @@ impl Pipeline {
         let request = proto::DecodeBatchRequest {
             batch_id,
             bucket: self.bucket.clone(),
-            samples: refs
-                .iter()
-                .map(|s| proto::SampleRef {
-                    key: s.key.clone(),
-                    metadata: s.metadata.clone(),
-                    inline: Bytes::new(),
-                })
-                .collect(),
+            samples: refs.iter().map(proto::SampleRef::from).collect(),
             transform: Some(transform_to_proto(&self.transform)),
         };
         let Ok(mut client) = worker.client().await else {
@@ -735,17 +727,12 @@ impl Pipeline {
 
     /// Fetches and decodes one batch here, straight into `lease`'s slot.
     async fn decode_locally(&self, refs: &[SampleRef], lease: SlotLease) -> (Decoded, SlotLease) {
-        let encoded: Vec<EncodedSample> = join_all(refs.iter().map(|s| async move {
-            let data = self.source.get(&self.bucket, &s.key).await.map_err(|e| {
-                tracing::warn!(key = %s.key, reason = %e.skip_reason(), error = %e, "skipping sample");
-                e.skip_reason()
-            });
-            EncodedSample {
-                key: s.key.clone(),
-                metadata: s.metadata.clone(),
-                data,
-            }
-        }))
+        let encoded: Vec<EncodedSample> = crate::source::fetch_samples(
+            Some(&self.source),
+            &self.bucket,
+            refs,
+            Default::default(),
+        )
         .await;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (transform, limits) = (self.transform, self.limits);
@@ -895,7 +882,7 @@ mod tests {
             .iter()
             .map(|k| SampleRef {
                 key: k.to_string(),
-                metadata: String::new(),
+                ..SampleRef::default()
             })
             .collect();
         let sample = |key: &str, offset: u64| proto::SampleMeta {

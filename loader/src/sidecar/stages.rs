@@ -251,10 +251,13 @@ pub(super) fn start_local_pool(
 
 /// The decode workers: found once now, then again every --discovery-interval-secs.
 pub(super) async fn start_fleet(args: &SidecarArgs) -> Result<Workers, SidecarError> {
-    let fleet = Arc::new(DecoderFleet::new(FleetPolicy {
-        max_failures: args.max_worker_failures.max(1),
-        set_aside_for: Duration::from_secs(args.set_aside_secs),
-    }));
+    let fleet = Arc::new(
+        DecoderFleet::new(FleetPolicy {
+            max_failures: args.max_worker_failures.max(1),
+            set_aside_for: Duration::from_secs(args.set_aside_secs),
+        })
+        .with_tls(crate::worker::PipelineTls::from_args(&args.tls)?),
+    );
     let mut kube_client = None;
     let discovery: Option<Box<dyn WorkerDiscovery>> = match &args.workers_selector {
         Some(selector) => {

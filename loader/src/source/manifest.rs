@@ -47,6 +47,7 @@ pub fn parse_manifest(location: &str, text: &str) -> Result<Vec<SampleRef>, Sour
             out.push(SampleRef {
                 key: line.to_string(),
                 metadata: String::new(),
+                range: None,
             });
             continue;
         }
@@ -69,7 +70,11 @@ pub fn parse_manifest(location: &str, text: &str) -> Result<Vec<SampleRef>, Sour
         } else {
             serde_json::Value::Object(obj).to_string()
         };
-        out.push(SampleRef { key, metadata });
+        out.push(SampleRef {
+            key,
+            metadata,
+            range: None,
+        });
     }
     Ok(out)
 }
@@ -91,7 +96,8 @@ mod tests {
             s[1],
             SampleRef {
                 key: "b.png".into(),
-                metadata: String::new()
+                metadata: String::new(),
+                range: None,
             }
         );
         assert_eq!(s[2].key, "c.webp");

@@ -1,10 +1,14 @@
 //! Where samples come from: S3 listing (ListObjectsV2, paginated), JSONL manifests (in S3 or on
-//! disk), and GETs with bounded concurrency and jittered exponential backoff.
+//! disk), WebDataset tar shards (byte ranges from the dataset index, fetched with coalesced range
+//! GETs), and GETs with bounded concurrency and jittered exponential backoff.
 
 mod manifest;
+mod members;
 mod s3;
+pub mod tar;
 
 pub use manifest::{ManifestLocation, parse_manifest};
+pub use members::{CoalescePolicy, fetch_samples};
 pub use s3::{RetryPolicy, S3Config, S3Source, StaticCredentials};
 
 use crate::decode::SkipReason;
@@ -15,6 +19,9 @@ pub struct SampleRef {
     pub key: String,
     /// JSON object with the manifest's other fields (caption, label, ...); empty when listed.
     pub metadata: String,
+    /// The sample's bytes inside `key` (a WebDataset shard: its members back to back);
+    /// `None`: the whole object is the image.
+    pub range: Option<std::ops::Range<u64>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +40,12 @@ pub enum SourceError {
         key: String,
         status: u16,
         attempts: u32,
+    },
+    #[error("s3://{bucket}/{key}: {range} starts past the object's end (truncated shard?)")]
+    RangeNotSatisfiable {
+        bucket: String,
+        key: String,
+        range: String,
     },
     #[error("s3://{bucket}/{key}: access refused or no such bucket (HTTP {status})")]
     AccessDenied {
@@ -70,6 +83,7 @@ impl SourceError {
     pub fn category(&self) -> &'static str {
         match self {
             SourceError::NotFound { .. } => "not_found",
+            SourceError::RangeNotSatisfiable { .. } => "range_not_satisfiable",
             SourceError::Throttled { .. } => "throttled",
             SourceError::Server { .. } => "server_error",
             SourceError::AccessDenied { .. } => "access_denied",
@@ -86,6 +100,7 @@ impl SourceError {
     pub fn skip_reason(&self) -> SkipReason {
         match self {
             SourceError::NotFound { .. } => SkipReason::NotFound,
+            SourceError::RangeNotSatisfiable { .. } => SkipReason::Truncated,
             SourceError::AccessDenied { .. } => SkipReason::SourceUnavailable,
             _ => SkipReason::S3Error,
         }

@@ -97,8 +97,13 @@ impl Default for S3Config {
 /// Outcome class of one failed attempt.
 enum Attempt {
     NotFound,
+    /// 416: the range starts past the object's end (a shard shorter than its index says).
+    RangeNotSatisfiable,
     Throttled,
-    Retry { status: u16, detail: String },
+    Retry {
+        status: u16,
+        detail: String,
+    },
     AccessDenied(u16),
     Fatal(String),
 }
@@ -112,6 +117,8 @@ fn classify<E: ProvideErrorMetadata + std::error::Error + 'static>(
             let code = ctx.err().code().unwrap_or_default();
             if code == "NoSuchBucket" {
                 Attempt::AccessDenied(status)
+            } else if status == 416 || code == "InvalidRange" {
+                Attempt::RangeNotSatisfiable
             } else if status == 404 || code == "NoSuchKey" {
                 Attempt::NotFound
             } else if status == 503 || status == 429 || code == "SlowDown" {
@@ -208,6 +215,21 @@ impl S3Source {
 
     /// GETs one object whole, retrying transient failures. 404 is final.
     pub async fn get(&self, bucket: &str, key: &str) -> Result<Bytes, SourceError> {
+        self.get_range(bucket, key, None).await
+    }
+
+    /// GETs `range` of an object (the whole object for `None`), retrying transient failures.
+    /// The answer is shorter than asked when the object ends inside the range; a range that
+    /// starts past the end is [`SourceError::RangeNotSatisfiable`].
+    pub async fn get_range(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Option<std::ops::Range<u64>>,
+    ) -> Result<Bytes, SourceError> {
+        let header = range
+            .as_ref()
+            .map(|r| format!("bytes={}-{}", r.start, r.end.max(r.start + 1) - 1));
         let mut attempt = 0u32;
         loop {
             let outcome = {
@@ -220,6 +242,7 @@ impl S3Source {
                     .get_object()
                     .bucket(bucket)
                     .key(key)
+                    .set_range(header.clone())
                     .send()
                     .await
                 {
@@ -248,6 +271,13 @@ impl S3Source {
                     return Err(SourceError::NotFound {
                         bucket: bucket.into(),
                         key: key.into(),
+                    });
+                }
+                Attempt::RangeNotSatisfiable => {
+                    return Err(SourceError::RangeNotSatisfiable {
+                        bucket: bucket.into(),
+                        key: key.into(),
+                        range: header.unwrap_or_default(),
                     });
                 }
                 Attempt::AccessDenied(status) => {
@@ -337,7 +367,9 @@ impl S3Source {
                     detail,
                 };
                 match err {
-                    Attempt::NotFound => return Err(fatal("bucket not found".into())),
+                    Attempt::NotFound | Attempt::RangeNotSatisfiable => {
+                        return Err(fatal("bucket not found".into()));
+                    }
                     Attempt::AccessDenied(status) => {
                         return Err(SourceError::AccessDenied {
                             bucket: bucket.into(),
@@ -362,6 +394,7 @@ impl S3Source {
                     out.push(SampleRef {
                         key: k.to_string(),
                         metadata: String::new(),
+                        range: None,
                     });
                 }
             }
@@ -371,6 +404,54 @@ impl S3Source {
             }
         }
         Ok(out)
+    }
+
+    /// PUTs one object (the dataset index), retrying transient failures.
+    pub async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<(), SourceError> {
+        let mut attempt = 0u32;
+        loop {
+            self.metrics.s3_request("put_object");
+            let res = self
+                .client
+                .put_object()
+                .bucket(bucket)
+                .key(key)
+                .body(body.clone().into())
+                .send()
+                .await;
+            let err = match res {
+                Ok(_) => return Ok(()),
+                Err(e) => classify(&e),
+            };
+            attempt += 1;
+            match err {
+                Attempt::AccessDenied(status) => {
+                    return Err(SourceError::AccessDenied {
+                        bucket: bucket.into(),
+                        key: key.into(),
+                        status,
+                    });
+                }
+                Attempt::Fatal(detail) => {
+                    return Err(SourceError::Request {
+                        bucket: bucket.into(),
+                        key: key.into(),
+                        detail,
+                    });
+                }
+                Attempt::Throttled => self.metrics.s3_throttle(),
+                _ => {}
+            }
+            if attempt >= self.retry.max_attempts {
+                return Err(SourceError::Request {
+                    bucket: bucket.into(),
+                    key: key.into(),
+                    detail: format!("PUT failed after {attempt} attempts"),
+                });
+            }
+            self.metrics.s3_retry();
+            tokio::time::sleep(self.retry.backoff(attempt)).await;
+        }
     }
 
     /// Reads a JSONL manifest from S3 or the local disk.

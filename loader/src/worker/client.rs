@@ -1,10 +1,12 @@
 //! A reusable client for decode workers, with message limits and HTTP/2 windows sized for
 //! multi-megabyte batches (a 32 x 448² batch is 19 MB; tonic's default limit is 4 MiB).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
 
+use super::tls::{PipelineTls, TlsChannelConnector};
 use crate::proto;
 use crate::proto::decode_service_client::DecodeServiceClient;
 
@@ -26,18 +28,24 @@ pub struct DecodeClient {
 }
 
 impl DecodeClient {
-    /// Connects to `http://host:port`.
+    /// Connects to `http://host:port` in plaintext.
     pub async fn connect(endpoint: impl Into<String>) -> Result<Self, tonic::transport::Error> {
-        let channel = Endpoint::from_shared(endpoint.into())?
-            .tcp_nodelay(true)
-            .connect_timeout(Duration::from_secs(5))
-            .initial_stream_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
-            // Lets the worker send 1 MiB DATA frames instead of 16 KiB ones: a 19 MB batch
-            // becomes 19 frames, not 1,200.
-            .max_frame_size(MAX_FRAME)
-            .http2_keep_alive_interval(Duration::from_secs(30))
-            .connect()
+        let channel = endpoint_of(endpoint.into())?.connect().await?;
+        Ok(Self::from_channel(channel))
+    }
+
+    /// Connects to `http://host:port` with `tls` when given: the decoder must present this
+    /// pipeline's certificate, and this client presents it too. Every reconnect reads the
+    /// certificate files again, so a rotated certificate needs no new client.
+    pub async fn connect_with(
+        endpoint: impl Into<String>,
+        tls: Option<Arc<PipelineTls>>,
+    ) -> Result<Self, tonic::transport::Error> {
+        let Some(tls) = tls else {
+            return Self::connect(endpoint).await;
+        };
+        let channel = endpoint_of(endpoint.into())?
+            .connect_with_connector(TlsChannelConnector { tls })
             .await?;
         Ok(Self::from_channel(channel))
     }
@@ -63,4 +71,17 @@ impl DecodeClient {
         }
         Ok(self.inner.decode_batch(request).await?.into_inner())
     }
+}
+
+/// The decoders' endpoint settings: windows and frames sized for multi-megabyte replies.
+fn endpoint_of(endpoint: String) -> Result<Endpoint, tonic::transport::Error> {
+    Ok(Endpoint::from_shared(endpoint)?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5))
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        // Lets the worker send 1 MiB DATA frames instead of 16 KiB ones: a 19 MB batch
+        // becomes 19 frames, not 1,200.
+        .max_frame_size(MAX_FRAME)
+        .http2_keep_alive_interval(Duration::from_secs(30)))
 }

@@ -3,7 +3,10 @@
 use clap::ValueEnum;
 use stoker_contract::{ResizeMode, TransformArgs};
 
-use crate::batch::{Batch, BatchTimings, SampleMeta};
+use bytes::BytesMut;
+use prost::Message;
+
+use crate::batch::{Batch, BatchTimings, PooledBatch, SampleMeta};
 use crate::decode::SkipReason;
 use crate::proto;
 use crate::transform::{Transform, TransformError};
@@ -52,6 +55,22 @@ pub(crate) fn meta_to_proto(m: SampleMeta) -> proto::SampleMeta {
         encoded_bytes: m.encoded_bytes,
         skip_reason: m.skip.map(|r| r.as_str().to_string()).unwrap_or_default(),
     }
+}
+
+/// A decoded batch as the protobuf message a worker sends, encoded: what tonic does with a
+/// reply before HTTP/2 framing (the pixels are copied once, into the message). `profile` times
+/// it as the reply stage.
+pub fn encode_reply(batch_id: u64, batch: PooledBatch) -> bytes::Bytes {
+    let reply = proto::DecodeBatchReply {
+        batch_id,
+        pixels: batch.pixels,
+        samples: batch.samples.into_iter().map(meta_to_proto).collect(),
+        timings: None,
+    };
+    let mut buf = BytesMut::with_capacity(reply.encoded_len());
+    // Cannot fail: the buffer holds `encoded_len` bytes.
+    let _ = reply.encode(&mut buf);
+    buf.freeze()
 }
 
 /// Turns a reply back into a [`Batch`] (the sidecar's view); the pixel buffer is copied once out

@@ -11,10 +11,12 @@ mod limits;
 mod scope;
 mod server;
 mod service;
+mod tls;
 
 pub use client::{DecodeClient, MAX_MESSAGE_BYTES};
-pub use convert::{batch_from_reply, transform_from_proto, transform_to_proto};
+pub use convert::{batch_from_reply, encode_reply, transform_from_proto, transform_to_proto};
 pub use limits::{CGROUP_CPU_MAX, cgroup_cpus, decode_threads, max_output_pixels};
 pub use scope::{ScopeViolation, SourceScope};
 pub use server::{DecodeServer, WorkerConfig};
 pub use service::{DecodeWorker, WorkerState};
+pub use tls::{Incoming, PeerStream, PipelineTls, TlsChannelConnector, TlsError};

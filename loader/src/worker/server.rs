@@ -8,7 +8,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
@@ -19,6 +19,7 @@ use super::gate::RequestGate;
 use super::limits::{CGROUP_CPU_MAX, decode_threads};
 use super::scope::SourceScope;
 use super::service::{DecodeWorker, WorkerState};
+use super::tls::PipelineTls;
 use crate::decode::DecodeLimits;
 use crate::metrics::LoaderMetrics;
 use crate::proto::decode_service_server::DecodeServiceServer;
@@ -41,6 +42,8 @@ pub struct WorkerConfig {
     pub scope: Option<SourceScope>,
     /// Longest wait for in-flight batches after SIGTERM.
     pub drain_timeout: Duration,
+    /// Mutual TLS with the pipeline's certificate; None (local runs, bench) serves plaintext.
+    pub tls: Option<Arc<PipelineTls>>,
 }
 
 impl Default for WorkerConfig {
@@ -55,6 +58,7 @@ impl Default for WorkerConfig {
             s3: None,
             scope: None,
             drain_timeout: Duration::from_secs(60),
+            tls: None,
         }
     }
 }
@@ -141,24 +145,38 @@ impl DecodeServer {
         let service = RequestGate::new(service, requests_in_flight, self.state.metrics.clone());
 
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let grpc_incoming = TcpListenerStream::new(self.grpc).map(|conn| {
-            if let Ok(s) = &conn {
-                let _ = s.set_nodelay(true);
-            }
-            conn
-        });
         let mut grpc_stop = stop_rx.clone();
+        let stopped = async move {
+            let _ = grpc_stop.wait_for(|s| *s).await;
+        };
         // These windows bound what a client may send ahead (requests, small); the client's own
         // windows let replies stream.
-        let grpc = tonic::transport::Server::builder()
+        let router = tonic::transport::Server::builder()
             .initial_stream_window_size(DecodeArgs::MAX_REQUEST_BYTES as u32)
             .initial_connection_window_size(2 * DecodeArgs::MAX_REQUEST_BYTES as u32)
             .max_frame_size(MAX_FRAME)
             .http2_max_header_list_size(REQUEST_HEADER_BYTES)
-            .add_service(service)
-            .serve_with_incoming_shutdown(grpc_incoming, async move {
-                let _ = grpc_stop.wait_for(|s| *s).await;
-            });
+            .add_service(service);
+        let grpc = match &self.config.tls {
+            Some(tls) => {
+                tracing::info!(dir = %tls.dir().display(), "serving gRPC over mutual TLS");
+                let incoming = tls.clone().incoming(self.grpc);
+                router
+                    .serve_with_incoming_shutdown(incoming, stopped)
+                    .boxed()
+            }
+            None => {
+                let incoming = TcpListenerStream::new(self.grpc).map(|conn| {
+                    if let Ok(s) = &conn {
+                        let _ = s.set_nodelay(true);
+                    }
+                    conn
+                });
+                router
+                    .serve_with_incoming_shutdown(incoming, stopped)
+                    .boxed()
+            }
+        };
 
         let app = Router::new()
             .route("/metrics", get(metrics_handler))

@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
-use bytes::Bytes;
 use futures::future::join_all;
 use tokio::sync::{Semaphore, oneshot};
 use tonic::{Request, Response, Status};
@@ -12,7 +11,7 @@ use tonic::{Request, Response, Status};
 use super::convert::{meta_to_proto, transform_from_proto};
 use super::limits::reply_pixel_bytes;
 use super::scope::SourceScope;
-use crate::batch::{EncodedSample, decode_batch};
+use crate::batch::{EncodedSample, PixelPool, decode_batch_pooled};
 use crate::decode::DecodeLimits;
 use crate::metrics::LoaderMetrics;
 use crate::proto;
@@ -70,6 +69,8 @@ pub struct DecodeWorker {
     limits: DecodeLimits,
     max_batch_samples: usize,
     scope: Option<SourceScope>,
+    /// Reply buffers, one per admitted batch at most: reused, never zeroed again.
+    pixels: Arc<PixelPool>,
 }
 
 impl DecodeWorker {
@@ -93,6 +94,7 @@ impl DecodeWorker {
             limits,
             max_batch_samples,
             scope: None,
+            pixels: PixelPool::new(queue_depth.max(1)),
         }
     }
 
@@ -207,18 +209,26 @@ impl DecodeService for DecodeWorker {
 
         let t_get = Instant::now();
         let bucket = req.bucket;
-        let encoded: Vec<EncodedSample> =
-            join_all(req.samples.into_iter().map(|s| self.fetch(&bucket, s))).await;
+        // Samples inside shards: coalesced range GETs (source/members.rs).
+        let encoded: Vec<EncodedSample> = if req.samples.iter().any(|s| s.length > 0) {
+            let refs: Vec<crate::source::SampleRef> =
+                req.samples.into_iter().map(Into::into).collect();
+            crate::source::fetch_samples(self.source.as_ref(), &bucket, &refs, Default::default())
+                .await
+        } else {
+            join_all(req.samples.into_iter().map(|s| self.fetch(&bucket, s))).await
+        };
         let get_us = t_get.elapsed().as_micros() as u64;
 
         let (tx, rx) = oneshot::channel();
         let limits = self.limits;
+        let pixel_pool = self.pixels.clone();
         let queued_at = Instant::now();
         self.pool.spawn(move || {
             let queue_wait = queued_at.elapsed();
             // A panic in a decoder must cost one batch, not the worker.
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                decode_batch(&encoded, &transform, &limits)
+                decode_batch_pooled(encoded, &transform, &limits, &pixel_pool)
             }));
             let _ = tx.send((result, queue_wait));
         });
@@ -260,8 +270,9 @@ impl DecodeService for DecodeWorker {
         metrics.observe_stage("resize", tm.resize_cpu / decoded);
         let samples: Vec<proto::SampleMeta> =
             batch.samples.into_iter().map(meta_to_proto).collect();
-        // Moves the buffer into the reply; no copy.
-        let pixels = Bytes::from(batch.pixels);
+        // A pooled buffer, shared into the reply; no copy here (prost copies it once into the
+        // encoded message) and back to the pool once the reply is encoded.
+        let pixels = batch.pixels;
         let pack = tm.pack_wall + t_pack.elapsed();
         metrics.observe_stage("pack", pack);
         let total = t0.elapsed();

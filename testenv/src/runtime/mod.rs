@@ -54,13 +54,18 @@
 //! `let prom = Prometheus::shared(|| PrometheusOptions::new(rt.sd_dir()));`
 
 pub mod exporter;
+pub mod image;
 pub mod net;
+pub mod oci;
 pub mod pods;
+pub mod runc;
+pub mod volume;
 
 use crate::cluster::ControlPlane;
 use crate::s3::{S3Server, S3ServerConfig};
 use anyhow::{Context, Result, anyhow, bail};
 use futures::StreamExt;
+pub use image::{ImageConfig, ImageSource, ImageStore};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -78,10 +83,14 @@ use std::time::{Duration, Instant};
 /// How to run a cluster's pods.
 #[derive(Clone, Debug)]
 pub struct RuntimeOptions {
-    /// The `stoker-loader` binary that containers of the loader image run.
+    /// The `stoker-loader` binary (host-process mode, and the stand-in image before
+    /// `scripts/image.sh` has built stoker's image).
     pub loader_bin: PathBuf,
-    /// Images run by `loader_bin`; `*` matches any run of characters.
+    /// stoker's images (operator and loader); `*` matches any run of characters.
     pub loader_image: String,
+    /// How containers of `loader_image` run. `None`: host processes of `loader_bin` (see
+    /// [`default_loader_source`] for why); [`stoker_image_source`] runs them in runc.
+    pub loader: Option<ImageSource>,
     /// Other images and the local commands that run them.
     pub images: Vec<ImageMapping>,
     /// NIC speed here = the node's `nic_gbps` × 1000 × `nic_scale` Mbit/s (0.04: 25 Gb/s → 1 Gb/s).
@@ -101,6 +110,7 @@ impl Default for RuntimeOptions {
         Self {
             loader_bin: default_loader_bin(),
             loader_image: "*stoker-loader*".into(),
+            loader: None,
             images: Vec::new(),
             nic_scale: 0.04,
             nic_mbit: BTreeMap::new(),
@@ -125,6 +135,53 @@ pub fn default_loader_bin() -> PathBuf {
     match exe_dir.parent() {
         Some(up) if !here.exists() => up.join("stoker-loader"),
         _ => here,
+    }
+}
+
+/// stoker's OCI image built by `scripts/image.sh`: `$STOKER_IMAGE_ARCHIVE`, else the newest
+/// `*.tar` under `target/image/` (found from the current executable like the loader binary).
+pub fn default_stoker_image() -> Option<PathBuf> {
+    if let Ok(path) = std::env::var("STOKER_IMAGE_ARCHIVE") {
+        return Some(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe().ok()?;
+    let target = exe
+        .ancestors()
+        .find(|a| a.file_name().is_some_and(|n| n == "target"))
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("target"));
+    std::fs::read_dir(target.join("image"))
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "tar"))
+        .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
+}
+
+/// How the loader's containers run when [`RuntimeOptions::loader`] is `None`: host processes
+/// of `loader_bin`, as before the runc runtime. The end-to-end tests still run so: their
+/// trainers are host processes, and a trainer opens the ring at the path its sidecar names,
+/// which a sidecar in a container names inside its own mount namespace. Moving the trainers
+/// into runc too (issue 12) makes [`stoker_image_source`] the default.
+fn default_loader_source(loader_bin: &Path) -> ImageSource {
+    ImageSource::HostProcess(vec![loader_bin.display().to_string()])
+}
+
+/// stoker's loader in runc: from stoker's OCI image ([`default_stoker_image`]) when built,
+/// else from a root filesystem of `loader_bin`, its libraries and the CA bundle.
+pub fn stoker_image_source(loader_bin: &Path) -> ImageSource {
+    match default_stoker_image() {
+        Some(archive) => ImageSource::Oci(archive),
+        None => {
+            tracing::warn!(
+                "stoker's image (target/image/*.tar from scripts/image.sh) not found: the loader runs from a root filesystem of {} and its libraries",
+                loader_bin.display()
+            );
+            ImageSource::Binaries {
+                binaries: vec![loader_bin.to_path_buf()],
+                config: ImageConfig::default(),
+            }
+        }
     }
 }
 
@@ -166,11 +223,25 @@ impl NodeRuntime {
         if unsafe { libc::geteuid() } != 0 {
             bail!("the node runtime needs root (network namespaces, tc)");
         }
+        let loader = options
+            .loader
+            .clone()
+            .unwrap_or_else(|| default_loader_source(&options.loader_bin));
         // Without it every loader pod would fail to start, and a story would only time out.
-        if !options.loader_bin.is_file() {
+        let missing = match &loader {
+            ImageSource::Binaries { binaries, .. } => {
+                binaries.iter().map(PathBuf::as_path).find(|b| !b.is_file())
+            }
+            ImageSource::HostProcess(command) => command
+                .first()
+                .map(Path::new)
+                .filter(|p| p.is_absolute() && !p.is_file()),
+            _ => None,
+        };
+        if let Some(missing) = missing {
             bail!(
                 "{} does not exist: build it first (cargo build -p stoker-loader) or set STOKER_LOADER_BIN",
-                options.loader_bin.display()
+                missing.display()
             );
         }
         let sims = cp.nodes().to_vec();
@@ -300,14 +371,25 @@ impl NodeRuntime {
         exporter::write_node_targets(&sd_dir.join("nodes.json"), &exporter.to_string(), &names)?;
         exporter::write_loader_targets(&sd_dir.join("loaders.json"), &[])?;
 
+        runc::become_subreaper()?;
+        let runc_root = PathBuf::from("/run/stoker-runc").join(slot.prefix());
+        // Containers a killed runtime of this slot left behind.
+        runc::remove_all(&runc_root);
+        let cgroup_parent = format!("/stoker/{}", slot.prefix());
+        runc::remove_cgroup(&cgroup_parent);
         let launch = Launch {
-            loader_bin: options.loader_bin.clone(),
+            loader,
             loader_image: options.loader_image.clone(),
             images: options.images.clone(),
+            store: Arc::new(ImageStore::new(ImageStore::default_dir())),
             kubeconfig: kubeconfig.clone(),
+            api_port,
             logs: dir.join("logs"),
             volumes: dir.join("volumes"),
             memory_volumes,
+            runc_root,
+            bundles: dir.join("bundles"),
+            cgroup_parent,
             max_grace: options.max_grace,
         };
         let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
@@ -473,6 +555,17 @@ impl NodeRuntime {
         self.dir.join("sd")
     }
 
+    /// The cgroup of a runc container, relative to the hierarchies' roots.
+    pub fn container_cgroup(&self, pod_uid: &str, container: &str) -> String {
+        format!("/stoker/{}/{pod_uid}/{container}", self.slot.prefix())
+    }
+
+    /// CPU time a running runc container has used (its cgroup's `cpuacct.usage` on cgroup
+    /// v1, `cpu.stat` on v2).
+    pub fn container_cpu(&self, pod_uid: &str, container: &str) -> Option<Duration> {
+        runc::cpu_usage(&self.container_cgroup(pod_uid, container))
+    }
+
     /// Where each container's output goes (`<namespace>_<pod>_<container>[.<restart>].log`).
     pub fn logs_dir(&self) -> PathBuf {
         self.dir.join("logs")
@@ -579,6 +672,7 @@ async fn supervise(
     sd_file: PathBuf,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
+    let launch = Arc::new(launch);
     let api: Api<Pod> = Api::all(client.clone());
     let mut events = watcher(api, watcher::Config::default())
         .default_backoff()
@@ -629,7 +723,8 @@ async fn supervise(
             .collect();
         for k in gone {
             if let Some((_, run)) = running.remove(&k) {
-                tokio::task::spawn_blocking(move || run.stop());
+                let launch = launch.clone();
+                tokio::task::spawn_blocking(move || run.stop(&launch));
             }
         }
 
@@ -705,10 +800,14 @@ async fn supervise(
 
     let stopping: Vec<_> = std::mem::take(&mut running)
         .into_values()
-        .map(|(_, run)| tokio::task::spawn_blocking(move || run.stop()))
+        .map(|(_, run)| {
+            let launch = launch.clone();
+            tokio::task::spawn_blocking(move || run.stop(&launch))
+        })
         .collect();
     for s in stopping {
         let _ = s.await;
     }
     let _ = exporter::write_loader_targets(&sd_file, &[]);
+    runc::remove_cgroup(&launch.cgroup_parent);
 }

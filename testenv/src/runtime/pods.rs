@@ -20,13 +20,18 @@
 //! resource limits. A stopped pod's address stays on `eth0` until the runtime stops (KWOK may
 //! give it to the next pod of the node, which then reuses it).
 
+use super::image::{Image, ImageSource, ImageStore};
 use super::net::NetNode;
+use super::oci::{self, ConfigError};
+use super::runc::{self, Exit, RuncContainer};
+use super::volume;
 use anyhow::{Context, Result, anyhow};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::Api;
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -35,32 +40,41 @@ use std::time::{Duration, Instant};
 
 use crate::process::Component;
 
-/// Which local command runs a container image.
+/// How the runtime runs the containers of an image.
 #[derive(Clone, Debug)]
 pub struct ImageMapping {
     /// Image pattern; `*` matches any run of characters.
     pub image: String,
-    /// Program and leading arguments; the container's `args` follow. Empty: run the container's
-    /// own `command` and `args` on this machine (for tests).
-    pub command: Vec<String>,
+    pub source: ImageSource,
 }
 
 impl ImageMapping {
+    /// Host-process mode: `command`, then the container's `args`, as a root process of this
+    /// machine (not a container; see [`ImageSource::HostProcess`]).
     pub fn new(
         image: impl Into<String>,
         command: impl IntoIterator<Item = impl Into<String>>,
     ) -> Self {
         Self {
             image: image.into(),
-            command: command.into_iter().map(Into::into).collect(),
+            source: ImageSource::HostProcess(command.into_iter().map(Into::into).collect()),
         }
     }
 
-    /// Images matching `image` run their container's `command` + `args` as they are.
+    /// Host-process mode: images matching `image` run their container's `command` + `args` as
+    /// they are.
     pub fn host_command(image: impl Into<String>) -> Self {
         Self {
             image: image.into(),
-            command: Vec::new(),
+            source: ImageSource::HostProcess(Vec::new()),
+        }
+    }
+
+    /// Containers of `image` run in runc from `source`.
+    pub fn container(image: impl Into<String>, source: ImageSource) -> Self {
+        Self {
+            image: image.into(),
+            source,
         }
     }
 }
@@ -85,17 +99,26 @@ pub fn glob_match(pattern: &str, text: &str) -> bool {
     true
 }
 
-/// What the supervisor needs to know to turn containers into processes.
+/// What the supervisor needs to know to turn containers into processes or runc containers.
 pub struct Launch {
-    pub loader_bin: PathBuf,
+    /// How containers of `loader_image` run.
+    pub loader: ImageSource,
     pub loader_image: String,
     pub images: Vec<ImageMapping>,
-    /// KUBECONFIG for processes (the API server is proxied into every node namespace on the
-    /// same loopback address and port).
+    pub store: Arc<ImageStore>,
+    /// KUBECONFIG for host processes (the API server is proxied into every node namespace on
+    /// the same loopback address and port).
     pub kubeconfig: PathBuf,
+    /// The API server's port on the node namespaces' loopback (containers' in-cluster config).
+    pub api_port: u16,
     pub logs: PathBuf,
     pub volumes: PathBuf,
     pub memory_volumes: PathBuf,
+    /// runc's state directory and the containers' bundles.
+    pub runc_root: PathBuf,
+    pub bundles: PathBuf,
+    /// Parent of every container's cgroup (`<parent>/<pod uid>/<container>`).
+    pub cgroup_parent: String,
     pub max_grace: Duration,
 }
 
@@ -111,26 +134,75 @@ pub struct LoaderTarget {
     pub pipeline: String,
 }
 
+/// How a container runs.
+enum Exec {
+    /// A root process of this machine in the node's network namespace.
+    Host {
+        program: String,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    },
+    /// A runc container (the network namespace is filled in at start).
+    Runc(Box<oci::ContainerPlan>),
+    /// The kubelet would refuse to create it: this message, as `CreateContainerConfigError`.
+    Refused(String),
+}
+
+enum Proc {
+    Host(Component),
+    Runc(RuncContainer),
+}
+
+impl Proc {
+    fn exited(&mut self) -> Option<Exit> {
+        match self {
+            Proc::Host(p) => p.exited().map(|status| Exit {
+                code: status
+                    .code()
+                    .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)),
+                oom_killed: false,
+            }),
+            Proc::Runc(c) => c.exited(),
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        match self {
+            Proc::Host(p) => p.pid(),
+            Proc::Runc(c) => c.pid(),
+        }
+    }
+
+    fn terminate(&self) {
+        match self {
+            // SAFETY: kill(2) on a process this runtime started.
+            Proc::Host(p) => unsafe {
+                libc::kill(p.pid() as libc::pid_t, libc::SIGTERM);
+            },
+            Proc::Runc(c) => c.signal(libc::SIGTERM),
+        }
+    }
+}
+
 struct ContainerRun {
     name: String,
-    program: String,
-    args: Vec<String>,
-    env: Vec<(String, String)>,
+    exec: Exec,
     loader: bool,
-    /// A native sidecar: restarts whatever the pod's policy, ends with the regular containers.
+    /// A native sidecar: starts before the regular containers, restarts whatever the pod's
+    /// policy, ends with the regular containers.
     sidecar: bool,
     /// SIGTERM sent because the regular containers ended: its exit is final.
     stopping: bool,
     metrics_port: u16,
     readiness: Option<Readiness>,
-    process: Option<Component>,
+    process: Option<Proc>,
     restarts: u32,
     started: Instant,
+    ever_started: bool,
     next_start: Instant,
     backoff: Duration,
     finished: bool,
-    /// Exit code of the last run (128 + signal when killed).
-    last_exit: Option<i32>,
+    last_exit: Option<Exit>,
 }
 
 /// What a container's process is doing, as last reported in pod status.
@@ -142,7 +214,8 @@ struct ContainerReport {
     running: bool,
     ready: bool,
     finished: bool,
-    last_exit: Option<i32>,
+    last_exit: Option<Exit>,
+    refused: Option<String>,
 }
 
 pub struct PodRun {
@@ -155,6 +228,9 @@ pub struct PodRun {
     restart_policy: String,
     grace: Duration,
     dirs: Vec<PathBuf>,
+    /// Sized tmpfs mounts of memory-backed emptyDirs, unmounted when the pod stops.
+    tmpfs: Vec<PathBuf>,
+    cgroup: String,
     containers: Vec<ContainerRun>,
     reported: Option<Vec<ContainerReport>>,
 }
@@ -171,13 +247,21 @@ fn pod_key(pod: &Pod) -> (String, String) {
     )
 }
 
+/// A pod volume on this machine.
+struct VolumeDir {
+    dir: PathBuf,
+    /// configMap, secret and projected volumes are read-only in every container.
+    readonly: bool,
+}
+
 impl PodRun {
     pub fn key(&self) -> (String, String) {
         (self.namespace.clone(), self.name.clone())
     }
 
-    /// Builds every runnable container of `pod` (volumes written, env resolved) without
-    /// starting anything. Containers whose image maps to nothing are skipped with a log line.
+    /// Builds every runnable container of `pod` (volumes written, env resolved, images
+    /// unpacked) without starting anything. Containers whose image maps to nothing are skipped
+    /// with a log line.
     pub async fn prepare(
         client: &kube::Client,
         launch: &Launch,
@@ -201,36 +285,34 @@ impl PodRun {
         for (c, sidecar) in sidecars.map(|c| (c, true)).chain(regular) {
             let image = c.image.clone().unwrap_or_default();
             let loader = glob_match(&launch.loader_image, &image);
-            // What the runtime puts first (`host_words` of it) is a path on this machine, never
-            // rewritten into a mount: a checkout under /tmp would land in the pod's /tmp volume.
-            let (mut command, host_words): (Vec<String>, usize) = if loader {
-                (vec![launch.loader_bin.display().to_string()], 1)
+            let source = if loader {
+                launch.loader.clone()
             } else if let Some(m) = launch.images.iter().find(|m| glob_match(&m.image, &image)) {
-                if m.command.is_empty() {
-                    (c.command.clone().unwrap_or_default(), 0)
-                } else {
-                    (m.command.clone(), m.command.len())
-                }
+                m.source.clone()
             } else {
                 tracing::debug!(pod = %name, container = %c.name, %image, "no local command for this image; not run");
                 continue;
             };
-            command.extend(c.args.clone().unwrap_or_default());
-            if command.is_empty() {
-                tracing::warn!(pod = %name, container = %c.name, "empty command; not run");
-                continue;
-            }
-            runnable.push((c, sidecar, loader, command, host_words));
+            runnable.push((c, sidecar, loader, source));
         }
+        let strict = runnable
+            .iter()
+            .any(|(_, _, _, s)| !matches!(s, ImageSource::HostProcess(_)));
+        let fs_group = spec
+            .security_context
+            .as_ref()
+            .and_then(|s| s.fs_group)
+            .map(|g| g as u32);
         // Only what the runnable containers mount (pods of other images cost nothing).
         let mounted: std::collections::BTreeSet<&str> = runnable
             .iter()
-            .flat_map(|(c, _, _, _, _)| c.volume_mounts.iter().flatten())
+            .flat_map(|(c, _, _, _)| c.volume_mounts.iter().flatten())
             .map(|m| m.name.as_str())
             .collect();
         let pod_dir = format!("{namespace}_{name}_{}", &uid[..uid.len().min(8)]);
         let mut dirs = Vec::new();
-        let mut volumes: BTreeMap<String, PathBuf> = BTreeMap::new();
+        let mut tmpfs = Vec::new();
+        let mut volumes: BTreeMap<String, VolumeDir> = BTreeMap::new();
         for volume in spec
             .volumes
             .iter()
@@ -239,7 +321,7 @@ impl PodRun {
         {
             let memory =
                 volume.empty_dir.as_ref().and_then(|e| e.medium.as_deref()) == Some("Memory");
-            let base = if memory {
+            let base = if memory && !strict {
                 &launch.memory_volumes
             } else {
                 &launch.volumes
@@ -249,95 +331,82 @@ impl PodRun {
             if !dirs.contains(&base.join(&pod_dir)) {
                 dirs.push(base.join(&pod_dir));
             }
+            let mut readonly = true;
             if let Some(cm) = &volume.config_map {
-                let api: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
-                let found = api.get_opt(&cm.name).await?;
-                let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
-                if let Some(found) = found {
-                    for (k, v) in found.data.unwrap_or_default() {
-                        files.insert(k, v.into_bytes());
-                    }
-                    for (k, v) in found.binary_data.unwrap_or_default() {
-                        files.insert(k, v.0);
-                    }
-                } else if cm.optional != Some(true) {
-                    anyhow::bail!("configmap {namespace}/{} not found", cm.name);
-                }
-                write_volume(&dir, files, cm.items.as_deref())?;
+                let files = config_map_files(client, &namespace, &cm.name, cm.optional).await?;
+                write_volume(&dir, files, cm.items.as_deref(), cm.default_mode)?;
             } else if let Some(secret) = &volume.secret {
                 let secret_name = secret.secret_name.clone().unwrap_or_default();
-                let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
-                let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
-                match api.get_opt(&secret_name).await? {
-                    Some(found) => {
-                        for (k, v) in found.data.unwrap_or_default() {
-                            files.insert(k, v.0);
-                        }
-                        for (k, v) in found.string_data.unwrap_or_default() {
-                            files.insert(k, v.into_bytes());
-                        }
-                    }
-                    None if secret.optional == Some(true) => {}
-                    None => anyhow::bail!("secret {namespace}/{secret_name} not found"),
+                let files = secret_files(client, &namespace, &secret_name, secret.optional).await?;
+                write_volume(&dir, files, secret.items.as_deref(), secret.default_mode)?;
+            } else if let Some(projected) = &volume.projected {
+                if strict {
+                    volume::write_projected(client, pod, projected, &dir).await?;
+                } else {
+                    // Host processes use KUBECONFIG instead.
+                    tracing::debug!(pod = %name, volume = %volume.name, "projected volume left empty");
                 }
-                write_volume(&dir, files, secret.items.as_deref())?;
-            } else if volume.projected.is_some() {
-                // The service-account token volume: processes use KUBECONFIG instead.
-                tracing::debug!(pod = %name, volume = %volume.name, "projected volume left empty");
-            } else if volume.empty_dir.is_none() {
+            } else if let Some(empty) = &volume.empty_dir {
+                readonly = false;
+                if memory && strict {
+                    let size = volume::tmpfs_size(empty.size_limit.as_ref(), spec)?;
+                    volume::mount_tmpfs(&dir, size)?;
+                    tmpfs.push(dir.clone());
+                }
+                // The kubelet makes emptyDirs world-writable.
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777))?;
+            } else {
+                readonly = false;
                 tracing::warn!(pod = %name, volume = %volume.name, "volume kind not supported by the node runtime; an empty directory stands in");
             }
-            volumes.insert(volume.name.clone(), dir);
+            if strict && let Some(group) = fs_group {
+                volume::set_group_ownership(&dir, group, readonly)?;
+            }
+            volumes.insert(volume.name.clone(), VolumeDir { dir, readonly });
         }
 
+        let cgroup = format!("{}/{uid}", launch.cgroup_parent);
         let mut containers = Vec::new();
-        for (c, sidecar, loader, command, host_words) in runnable {
-            let mounts = mounts_of(c, &volumes);
+        for (c, sidecar, loader, source) in runnable {
             let metrics_port = metrics_port(c);
-            let readiness = Readiness::of(c);
-            let mut env = resolve_env(client, pod, c, ip).await?;
-            let mut extra = vec![
-                ("POD_IP".to_string(), ip.to_string()),
-                ("HOSTNAME".to_string(), name.clone()),
-                (
-                    "KUBECONFIG".to_string(),
-                    launch.kubeconfig.display().to_string(),
-                ),
-            ];
-            if loader {
-                extra.push(("STOKER_HTTP_ADDR".into(), format!("{ip}:{metrics_port}")));
-                extra.push(("STOKER_GRPC_ADDR".into(), format!("{ip}:50051")));
-            }
-            for (k, v) in extra {
-                if !env.iter().any(|(name, _)| *name == k) {
-                    env.push((k, v));
+            let input = ContainerInput {
+                launch,
+                pod,
+                c,
+                env: resolve_env(client, pod, c, ip).await?,
+                volumes: &volumes,
+                ip,
+                loader,
+                metrics_port,
+            };
+            let exec = match &source {
+                ImageSource::HostProcess(command) => input.host(command),
+                _ => {
+                    let store = launch.store.clone();
+                    let image = tokio::task::block_in_place(|| store.get(&source))?
+                        .ok_or_else(|| anyhow!("image of container {} has no root", c.name))?;
+                    match input.runc(&image, format!("{cgroup}/{}", c.name)) {
+                        Ok(plan) => Exec::Runc(Box::new(plan)),
+                        Err(refused) => {
+                            tracing::warn!(pod = %name, container = %c.name, %refused, "container refused");
+                            Exec::Refused(refused.0)
+                        }
+                    }
                 }
-            }
-            let vars: BTreeMap<String, String> = env.iter().cloned().collect();
-            let rewrite = |s: &str| rewrite_value(&expand_vars(s, &vars), ip, &mounts);
-            let env = env.iter().map(|(k, v)| (k.clone(), rewrite(v))).collect();
-            let mut command = command.iter().enumerate().map(|(i, a)| {
-                if i < host_words {
-                    a.clone()
-                } else {
-                    rewrite(a)
-                }
-            });
-            let program = command.next().unwrap_or_default();
+            };
             let now = Instant::now();
             containers.push(ContainerRun {
                 name: c.name.clone(),
-                program,
-                args: command.collect(),
-                env,
+                exec,
                 loader,
                 sidecar,
                 stopping: false,
                 metrics_port,
-                readiness,
+                readiness: Readiness::of(c),
                 process: None,
                 restarts: 0,
                 started: now,
+                ever_started: false,
                 next_start: now,
                 backoff: BACKOFF_START,
                 finished: false,
@@ -362,6 +431,8 @@ impl PodRun {
                 .unwrap_or_else(|| "Always".into()),
             grace,
             dirs,
+            tmpfs,
+            cgroup,
             containers,
             reported: None,
         })
@@ -373,11 +444,16 @@ impl PodRun {
     }
 
     /// Starts containers that are due: not yet started, or exited and due for a restart under
-    /// the pod's restart policy.
+    /// the pod's restart policy. Native sidecars start first: regular containers wait until
+    /// every sidecar has started once.
     pub fn supervise(&mut self, netns: &NetNode, launch: &Launch) {
         let now = Instant::now();
         let regular_ended = self.containers.iter().any(|c| !c.sidecar)
             && self.containers.iter().all(|c| c.sidecar || c.finished);
+        let sidecars_started = self
+            .containers
+            .iter()
+            .all(|c| !c.sidecar || c.ever_started || matches!(c.exec, Exec::Refused(_)));
         for c in &mut self.containers {
             if c.finished {
                 continue;
@@ -385,16 +461,13 @@ impl PodRun {
             if regular_ended && !c.stopping {
                 c.stopping = true;
                 match &c.process {
-                    // SAFETY: kill(2) on a process this runtime started.
-                    Some(p) => unsafe {
-                        libc::kill(p.pid() as libc::pid_t, libc::SIGTERM);
-                    },
+                    Some(p) => p.terminate(),
                     None => c.finished = true,
                 }
                 continue;
             }
             if let Some(p) = &mut c.process {
-                let Some(status) = p.exited() else {
+                let Some(exit) = p.exited() else {
                     if let Some(r) = &mut c.readiness {
                         r.probe(self.ip, now);
                     }
@@ -404,19 +477,15 @@ impl PodRun {
                 if let Some(r) = &mut c.readiness {
                     r.reset();
                 }
-                c.last_exit = Some(
-                    status
-                        .code()
-                        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)),
-                );
+                c.last_exit = Some(exit);
                 let restart = match self.restart_policy.as_str() {
                     _ if c.stopping => false,
                     _ if c.sidecar => true,
                     "Never" => false,
-                    "OnFailure" => !status.success(),
+                    "OnFailure" => exit.code != 0,
                     _ => true,
                 };
-                tracing::info!(pod = %self.name, container = %c.name, %status, restart, "container exited");
+                tracing::info!(pod = %self.name, container = %c.name, code = exit.code, oom_killed = exit.oom_killed, restart, "container exited");
                 if !restart {
                     c.finished = true;
                     continue;
@@ -429,36 +498,55 @@ impl PodRun {
                 c.restarts += 1;
                 continue;
             }
-            if now < c.next_start {
+            if now < c.next_start || (!c.sidecar && !sidecars_started) {
                 continue;
             }
-            let mut args = vec![
-                "netns".to_string(),
-                "exec".into(),
-                netns.netns.clone(),
-                "env".into(),
-            ];
-            args.extend(
-                c.env
-                    .iter()
-                    .filter(|(k, _)| !k.is_empty() && !k.contains('='))
-                    .map(|(k, v)| format!("{k}={v}")),
-            );
-            args.push(c.program.clone());
-            args.extend(c.args.iter().cloned());
             let log_name = if c.restarts == 0 {
                 format!("{}_{}_{}", self.namespace, self.name, c.name)
             } else {
                 format!("{}_{}_{}.{}", self.namespace, self.name, c.name, c.restarts)
             };
-            match Component::start(&log_name, Path::new("ip"), &args, &launch.logs) {
+            let started = match &mut c.exec {
+                Exec::Refused(_) => continue,
+                Exec::Host { program, args, env } => {
+                    let mut argv = vec![
+                        "netns".to_string(),
+                        "exec".into(),
+                        netns.netns.clone(),
+                        "env".into(),
+                    ];
+                    argv.extend(
+                        env.iter()
+                            .filter(|(k, _)| !k.is_empty() && !k.contains('='))
+                            .map(|(k, v)| format!("{k}={v}")),
+                    );
+                    argv.push(program.clone());
+                    argv.extend(args.iter().cloned());
+                    Component::start(&log_name, Path::new("ip"), &argv, &launch.logs)
+                        .map(Proc::Host)
+                        .map_err(anyhow::Error::from)
+                }
+                Exec::Runc(plan) => {
+                    plan.netns = PathBuf::from("/var/run/netns").join(&netns.netns);
+                    start_runc(
+                        launch,
+                        &self.uid,
+                        &c.name,
+                        plan,
+                        &launch.logs.join(format!("{log_name}.log")),
+                    )
+                    .map(Proc::Runc)
+                }
+            };
+            match started {
                 Ok(p) => {
                     tracing::info!(pod = %self.name, container = %c.name, pid = p.pid(), node = %self.node, ip = %self.ip, "container started");
                     c.process = Some(p);
                     c.started = now;
+                    c.ever_started = true;
                 }
                 Err(err) => {
-                    tracing::warn!(pod = %self.name, container = %c.name, %err, "container failed to start");
+                    tracing::warn!(pod = %self.name, container = %c.name, err = format!("{err:#}"), "container failed to start");
                     c.next_start = now + c.backoff;
                     c.backoff = (c.backoff * 2).min(BACKOFF_MAX);
                 }
@@ -477,14 +565,19 @@ impl PodRun {
                 ready: c.process.is_some() && c.readiness.as_ref().is_none_or(Readiness::ok),
                 finished: c.finished,
                 last_exit: c.last_exit,
+                refused: match &c.exec {
+                    Exec::Refused(message) => Some(message.clone()),
+                    _ => None,
+                },
             })
             .collect()
     }
 
     /// A strategic-merge patch of the pod's status when its processes changed since the last
-    /// one: restart counts, container states, Ready, and the phase once every process of a
-    /// pod that does not restart has ended. KWOK marked the pod Running and Ready when it was
-    /// bound; the first report, all running, matches that and patches nothing.
+    /// one: restart counts, container states (OOMKilled, CreateContainerConfigError as the
+    /// kubelet reports them), Ready, and the phase once every process of a pod that does not
+    /// restart has ended. KWOK marked the pod Running and Ready when it was bound; the first
+    /// report, all running, matches that and patches nothing.
     pub fn status_patch(&mut self, pod: &Pod) -> Option<serde_json::Value> {
         let report = self.report();
         if self.reported.as_ref() == Some(&report) {
@@ -497,6 +590,14 @@ impl PodRun {
         }
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
         let status = pod.status.as_ref()?;
+        let terminated = |exit: &Exit| {
+            let reason = match exit.code {
+                _ if exit.oom_killed => "OOMKilled",
+                0 => "Completed",
+                _ => "Error",
+            };
+            serde_json::json!({"terminated": {"exitCode": exit.code, "reason": reason, "finishedAt": now}})
+        };
         let update = |statuses: &Option<Vec<k8s_openapi::api::core::v1::ContainerStatus>>| {
             let mut list = serde_json::to_value(statuses.clone().unwrap_or_default())
                 .unwrap_or_else(|_| serde_json::json!([]));
@@ -510,18 +611,22 @@ impl PodRun {
                 entry["restartCount"] = r.restarts.into();
                 entry["ready"] = r.ready.into();
                 entry["started"] = r.running.into();
-                entry["state"] = if r.running {
+                entry["state"] = if let Some(message) = &r.refused {
+                    serde_json::json!({"waiting": {"reason": "CreateContainerConfigError", "message": message}})
+                } else if r.running {
                     serde_json::json!({"running": {"startedAt": now}})
                 } else if r.finished {
-                    let code = r.last_exit.unwrap_or(0);
-                    let reason = if code == 0 { "Completed" } else { "Error" };
-                    serde_json::json!({"terminated": {"exitCode": code, "reason": reason, "finishedAt": now}})
-                } else {
+                    terminated(&r.last_exit.unwrap_or(Exit {
+                        code: 0,
+                        oom_killed: false,
+                    }))
+                } else if r.last_exit.is_some() {
                     serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}})
+                } else {
+                    serde_json::json!({"waiting": {"reason": "ContainerCreating"}})
                 };
-                if let Some(code) = r.last_exit {
-                    entry["lastState"] =
-                        serde_json::json!({"terminated": {"exitCode": code, "finishedAt": now}});
+                if let Some(exit) = &r.last_exit {
+                    entry["lastState"] = terminated(exit);
                 }
             }
             list
@@ -541,7 +646,7 @@ impl PodRun {
             let ok = report
                 .iter()
                 .filter(|r| !r.sidecar)
-                .all(|r| r.last_exit == Some(0));
+                .all(|r| r.last_exit.map(|e| e.code) == Some(0));
             patch["status"]["phase"] = if ok { "Succeeded" } else { "Failed" }.into();
         }
         Some(patch)
@@ -571,23 +676,34 @@ impl PodRun {
     }
 
     /// SIGTERM to every process of the pod (and their children), SIGKILL after the grace
-    /// period; then removes the pod's volumes. Blocking.
-    pub fn stop(mut self) {
+    /// period; then removes the pod's containers, volumes and cgroups. Blocking.
+    pub fn stop(mut self, launch: &Launch) {
         let mut all = Vec::new();
         for c in &self.containers {
-            if let Some(p) = &c.process {
-                let tree = descendants(p.pid());
-                for pid in &tree {
-                    // SAFETY: kill(2) on processes this runtime started (and their children).
-                    unsafe { libc::kill(*pid as libc::pid_t, libc::SIGTERM) };
+            match &c.process {
+                Some(Proc::Host(p)) => {
+                    let tree = descendants(p.pid());
+                    for pid in &tree {
+                        // SAFETY: kill(2) on processes this runtime started (and their
+                        // children).
+                        unsafe { libc::kill(*pid as libc::pid_t, libc::SIGTERM) };
+                    }
+                    all.extend(tree);
                 }
-                all.extend(tree);
+                Some(Proc::Runc(r)) => r.signal(libc::SIGTERM),
+                None => {}
             }
         }
         let deadline = Instant::now() + self.grace;
         for c in &mut self.containers {
-            if let Some(mut p) = c.process.take() {
-                p.stop(deadline.saturating_duration_since(Instant::now()));
+            match c.process.take() {
+                Some(Proc::Host(mut p)) => {
+                    p.stop(deadline.saturating_duration_since(Instant::now()))
+                }
+                Some(Proc::Runc(mut r)) => {
+                    r.stop(deadline.saturating_duration_since(Instant::now()));
+                }
+                None => {}
             }
         }
         for pid in all {
@@ -598,11 +714,48 @@ impl PodRun {
                 unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
             }
         }
+        for c in &self.containers {
+            if matches!(c.exec, Exec::Runc(_)) {
+                let bundle = launch.bundles.join(format!("{}-{}", self.uid, c.name));
+                volume::unmount(&bundle.join("rootfs"));
+                let _ = std::fs::remove_dir_all(&bundle);
+            }
+        }
+        for dir in &self.tmpfs {
+            volume::unmount(dir);
+        }
         for dir in &self.dirs {
             let _ = std::fs::remove_dir_all(dir);
         }
+        runc::remove_cgroup(&self.cgroup);
         tracing::info!(pod = %self.name, node = %self.node, "pod stopped");
     }
+}
+
+/// Starts one runc container: its root an overlay of the image's (so the image stays
+/// unchanged), then `runc run`.
+fn start_runc(
+    launch: &Launch,
+    pod_uid: &str,
+    name: &str,
+    plan: &oci::ContainerPlan,
+    log: &Path,
+) -> Result<RuncContainer> {
+    let id = format!("{pod_uid}-{name}");
+    let bundle = launch.bundles.join(&id);
+    let rootfs = bundle.join("rootfs");
+    volume::unmount(&rootfs);
+    let _ = std::fs::remove_dir_all(bundle.join("upper"));
+    let _ = std::fs::remove_dir_all(bundle.join("work"));
+    volume::mount_overlay(
+        &plan.rootfs,
+        &bundle.join("upper"),
+        &bundle.join("work"),
+        &rootfs,
+    )?;
+    let mut plan = plan.clone();
+    plan.rootfs = rootfs;
+    RuncContainer::start(&launch.runc_root, &id, &bundle, &oci::spec(&plan), log)
 }
 
 /// A container's HTTP readiness probe, run from the root namespace against the pod IP.
@@ -679,36 +832,305 @@ impl Readiness {
     }
 }
 
+/// One container of a pod being prepared.
+struct ContainerInput<'a> {
+    launch: &'a Launch,
+    pod: &'a Pod,
+    c: &'a Container,
+    /// The container's own `env` and `envFrom`, resolved.
+    env: Vec<(String, String)>,
+    volumes: &'a BTreeMap<String, VolumeDir>,
+    ip: Ipv4Addr,
+    loader: bool,
+    metrics_port: u16,
+}
+
+/// The default PATH of container runtimes.
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+impl ContainerInput<'_> {
+    fn pod_name(&self) -> String {
+        self.pod.metadata.name.clone().unwrap_or_default()
+    }
+
+    /// What the runtime adds to every container's environment: `POD_IP`, `HOSTNAME`, and for
+    /// the loader its listen addresses on the pod IP (pods of a node share its network
+    /// namespace, so a wildcard listener would take the port from every other pod there).
+    fn extra_env(&self) -> Vec<(String, String)> {
+        let mut extra = vec![
+            ("POD_IP".to_string(), self.ip.to_string()),
+            ("HOSTNAME".to_string(), self.pod_name()),
+        ];
+        if self.loader {
+            extra.push((
+                "STOKER_HTTP_ADDR".into(),
+                format!("{}:{}", self.ip, self.metrics_port),
+            ));
+            extra.push(("STOKER_GRPC_ADDR".into(), format!("{}:50051", self.ip)));
+        }
+        extra
+    }
+
+    /// A root process of this machine: the mapped `command` (or the container's), its args,
+    /// listen addresses and mount paths rewritten (see the module doc).
+    fn host(self, command: &[String]) -> Exec {
+        let c = self.c;
+        // What the runtime puts first (`host_words` of it) is a path on this machine, never
+        // rewritten into a mount: a checkout under /tmp would land in the pod's /tmp volume.
+        let (mut command, host_words) = if command.is_empty() {
+            (c.command.clone().unwrap_or_default(), 0)
+        } else {
+            (command.to_vec(), command.len())
+        };
+        command.extend(c.args.clone().unwrap_or_default());
+        if command.is_empty() {
+            return Exec::Refused(format!("no command specified (container {})", c.name));
+        }
+        let mounts = mounts_of(c, self.volumes);
+        let mut env = self.env.clone();
+        let mut extra = self.extra_env();
+        extra.push((
+            "KUBECONFIG".to_string(),
+            self.launch.kubeconfig.display().to_string(),
+        ));
+        for (k, v) in extra {
+            if !env.iter().any(|(name, _)| *name == k) {
+                env.push((k, v));
+            }
+        }
+        let vars: BTreeMap<String, String> = env.iter().cloned().collect();
+        let ip = self.ip;
+        let rewrite = |s: &str| rewrite_value(&expand_vars(s, &vars), ip, &mounts);
+        let env = env.iter().map(|(k, v)| (k.clone(), rewrite(v))).collect();
+        let mut command = command.iter().enumerate().map(|(i, a)| {
+            if i < host_words {
+                a.clone()
+            } else {
+                rewrite(a)
+            }
+        });
+        let program = command.next().unwrap_or_default();
+        Exec::Host {
+            program,
+            args: command.collect(),
+            env,
+        }
+    }
+
+    /// A runc container from `image`: the kubelet's command/args/env rules, security
+    /// context, limits and volume mounts. Refused as the kubelet would refuse it.
+    fn runc(self, image: &Image, cgroup: String) -> Result<oci::ContainerPlan, ConfigError> {
+        let (c, pod) = (self.c, self.pod);
+        let pod_ref = format!(
+            "{}_{}({})",
+            self.pod_name(),
+            pod.metadata.namespace.as_deref().unwrap_or_default(),
+            pod.metadata.uid.as_deref().unwrap_or_default()
+        );
+        let passwd = std::fs::read_to_string(image.rootfs.join("etc/passwd")).unwrap_or_default();
+        let user = oci::image_user(image.config.user.as_deref(), &passwd);
+        let pod_sc = pod.spec.as_ref().and_then(|s| s.security_context.as_ref());
+        let security = oci::security(&pod_ref, pod_sc, c, user)?;
+
+        let mut env: Vec<(String, String)> = image
+            .config
+            .env
+            .iter()
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let set = |env: &mut Vec<(String, String)>, k: String, v: String| {
+            env.retain(|(name, _)| *name != k);
+            env.push((k, v));
+        };
+        for (k, v) in self.env.iter().cloned() {
+            set(&mut env, k, v);
+        }
+        // In-cluster config: the API server as the node namespaces see it (the proxy on
+        // loopback; a Service's cluster IP is not routed here), with the projected token.
+        let mut extra = self.extra_env();
+        extra.push(("KUBERNETES_SERVICE_HOST".into(), "127.0.0.1".into()));
+        extra.push((
+            "KUBERNETES_SERVICE_PORT".into(),
+            self.launch.api_port.to_string(),
+        ));
+        extra.push(("PATH".into(), DEFAULT_PATH.into()));
+        for (k, v) in extra {
+            if !env.iter().any(|(name, _)| *name == k) {
+                env.push((k, v));
+            }
+        }
+        let vars: BTreeMap<String, String> = env.iter().cloned().collect();
+        let ip = self.ip;
+        let rewrite = |s: &str| rewrite_value(&expand_vars(s, &vars), ip, &[]);
+        let env: Vec<String> = env
+            .iter()
+            .map(|(k, v)| format!("{k}={}", rewrite_value(v, ip, &[])))
+            .collect();
+        // The kubelet's rules: `command` replaces the image's Entrypoint and Cmd; `args` alone
+        // replaces Cmd.
+        let args: Vec<String> = match (&c.command, &c.args) {
+            (Some(cmd), args) if !cmd.is_empty() => cmd
+                .iter()
+                .chain(args.iter().flatten())
+                .map(|a| rewrite(a))
+                .collect(),
+            (_, Some(args)) => image
+                .config
+                .entrypoint
+                .iter()
+                .cloned()
+                .chain(args.iter().map(|a| rewrite(a)))
+                .collect(),
+            (_, None) => image
+                .config
+                .entrypoint
+                .iter()
+                .chain(image.config.cmd.iter())
+                .cloned()
+                .collect(),
+        };
+        if args.is_empty() {
+            return Err(ConfigError(format!(
+                "no command specified (pod: {pod_ref:?}, container: {})",
+                c.name
+            )));
+        }
+
+        let mut mounts = Vec::new();
+        for bind in &image.host_binds {
+            mounts.push(oci::Mount {
+                destination: bind.display().to_string(),
+                source: bind.clone(),
+                readonly: true,
+            });
+        }
+        for m in c.volume_mounts.iter().flatten() {
+            let Some(volume) = self.volumes.get(&m.name) else {
+                continue;
+            };
+            let source = match m.sub_path.as_deref() {
+                Some(sub) if !sub.is_empty() => volume.dir.join(sub),
+                _ => volume.dir.clone(),
+            };
+            mounts.push(oci::Mount {
+                destination: m.mount_path.clone(),
+                source,
+                readonly: volume.readonly || m.read_only == Some(true),
+            });
+        }
+        let limits = c.resources.as_ref().and_then(|r| r.limits.as_ref());
+        let hostname: String = self.pod_name().chars().take(63).collect();
+        Ok(oci::ContainerPlan {
+            rootfs: image.rootfs.clone(),
+            args,
+            env,
+            cwd: c
+                .working_dir
+                .clone()
+                .or(image.config.working_dir.clone())
+                .unwrap_or_else(|| "/".into()),
+            hostname,
+            security,
+            cpu_millis: limits.and_then(|l| l.get("cpu")).and_then(volume::millis),
+            memory_bytes: limits.and_then(|l| l.get("memory")).and_then(volume::bytes),
+            mounts,
+            netns: PathBuf::new(),
+            cgroups_path: cgroup,
+        })
+    }
+}
+
+pub(super) async fn config_map_files(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    optional: Option<bool>,
+) -> Result<BTreeMap<String, Vec<u8>>> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    match api.get_opt(name).await? {
+        Some(found) => {
+            for (k, v) in found.data.unwrap_or_default() {
+                files.insert(k, v.into_bytes());
+            }
+            for (k, v) in found.binary_data.unwrap_or_default() {
+                files.insert(k, v.0);
+            }
+        }
+        None if optional == Some(true) => {}
+        None => anyhow::bail!("configmap {namespace}/{name} not found"),
+    }
+    Ok(files)
+}
+
+pub(super) async fn secret_files(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    optional: Option<bool>,
+) -> Result<BTreeMap<String, Vec<u8>>> {
+    let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    match api.get_opt(name).await? {
+        Some(found) => {
+            for (k, v) in found.data.unwrap_or_default() {
+                files.insert(k, v.0);
+            }
+            for (k, v) in found.string_data.unwrap_or_default() {
+                files.insert(k, v.into_bytes());
+            }
+        }
+        None if optional == Some(true) => {}
+        None => anyhow::bail!("secret {namespace}/{name} not found"),
+    }
+    Ok(files)
+}
+
+/// A downward-API field of `pod`, its IP from its status.
+pub(super) fn field_value_of(pod: &Pod, path: &str) -> Option<String> {
+    let ip = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_ip.as_deref())
+        .and_then(|ip| ip.parse().ok())
+        .unwrap_or(Ipv4Addr::UNSPECIFIED);
+    field_value(pod, path, ip)
+}
+
 fn write_volume(
     dir: &Path,
     files: BTreeMap<String, Vec<u8>>,
     items: Option<&[k8s_openapi::api::core::v1::KeyToPath]>,
+    default_mode: Option<i32>,
 ) -> Result<()> {
     for (key, body) in files {
-        let rel = match items {
+        let (rel, mode) = match items {
             Some(items) => match items.iter().find(|i| i.key == key) {
-                Some(item) => item.path.clone(),
+                Some(item) => (item.path.clone(), item.mode),
                 None => continue,
             },
-            None => key,
+            None => (key, None),
         };
         let path = dir.join(rel);
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent)?;
         }
         std::fs::write(&path, body).with_context(|| path.display().to_string())?;
+        let mode = mode.or(default_mode).unwrap_or(0o644) as u32;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
     }
     Ok(())
 }
 
 /// (mount path, host directory), longest mount path first.
-fn mounts_of(c: &Container, volumes: &BTreeMap<String, PathBuf>) -> Vec<(String, String)> {
+fn mounts_of(c: &Container, volumes: &BTreeMap<String, VolumeDir>) -> Vec<(String, String)> {
     let mut mounts: Vec<(String, String)> = c
         .volume_mounts
         .iter()
         .flatten()
         .filter_map(|m| {
-            let dir = volumes.get(&m.name)?;
+            let dir = &volumes.get(&m.name)?.dir;
             let dir = match m.sub_path.as_deref() {
                 Some(sub) if !sub.is_empty() => dir.join(sub),
                 _ => dir.clone(),

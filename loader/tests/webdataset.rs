@@ -1,0 +1,415 @@
+//! WebDataset shards end to end: shards written by the Python `webdataset` package into the
+//! real S3 server, indexed by the `stoker-loader index` process, planned per rank with the
+//! shard-aware shuffle, and decoded by a real decode worker from coalesced range GETs.
+
+mod common;
+
+use std::collections::HashSet;
+use std::process::Command;
+
+use common::*;
+use stoker_loader::index::{ShardTable, build_webdataset, resolve_shards};
+use stoker_loader::proto;
+use stoker_loader::sidecar::plan::{Cursor, PlanConfig, Shard, ShardSample};
+use stoker_loader::source::{ManifestLocation, S3Source};
+use stoker_testenv::s3::S3Server;
+
+const INDEX_BUCKET: &str = "index";
+
+/// Writes `shards` shards of `per` samples: a small JPEG, a `.txt` caption and a `.cls` label,
+/// with the `webdataset` package's own TarWriter.
+const WRITE_SHARDS: &str = r#"
+import io, sys
+import webdataset as wds
+from PIL import Image
+out, shards, per = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for s in range(shards):
+    with wds.TarWriter(f"{out}/{s:05d}.tar") as w:
+        for i in range(per):
+            n = s * per + i
+            img = Image.new("RGB", (24 + n % 17, 16 + n % 13), ((n * 37) % 256, (n * 91) % 256, (n * 53) % 256))
+            buf = io.BytesIO()
+            img.save(buf, format="JPEG", quality=80)
+            w.write({"__key__": f"s{n:07d}", "jpg": buf.getvalue(), "txt": f"caption {n}", "cls": n % 10})
+"#;
+
+/// The test venv's python (scripts/python-env.sh installs webdataset and pyarrow there).
+fn python() -> std::path::PathBuf {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/python-env.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .output()
+        .expect("python-env.sh");
+    assert!(
+        out.status.success(),
+        "python-env.sh: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let venv = String::from_utf8(out.stdout).unwrap();
+    std::path::Path::new(venv.trim()).join("bin/python")
+}
+
+fn write_shards(server: &S3Server, prefix: &str, shards: usize, per: usize) {
+    let dir = server.root().join(BUCKET).join(prefix);
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(python())
+        .args(["-c", WRITE_SHARDS])
+        .arg(&dir)
+        .args([shards.to_string(), per.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "writing shards: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Runs `stoker-loader index` as its own process; returns its JSON summary line.
+fn index_process(server: &S3Server, shards: &str, out: &str) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
+        .args(["index", "--shards", shards, "--out", out])
+        .args(["--endpoint", &server.endpoint(), "--region", "us-east-1"])
+        .arg("--force-path-style")
+        .env("AWS_ACCESS_KEY_ID", server.access_key())
+        .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .env_remove("AWS_PROFILE")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "index failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON line")
+}
+
+fn plan(rank: u32, world: u32, batch: usize) -> PlanConfig {
+    PlanConfig {
+        seed: 7,
+        batch_size: batch,
+        drop_last: false,
+        shuffle: true,
+        shard: Shard {
+            rank,
+            world_size: world,
+        },
+    }
+}
+
+/// One decoded or skipped sample as the trainer sees it.
+#[derive(Debug, Clone)]
+struct Delivered {
+    shard_key: String,
+    metadata: serde_json::Value,
+    skip: String,
+    width: u32,
+}
+
+async fn decode(
+    worker: &mut TestWorker,
+    table: &ShardTable,
+    source: &S3Source,
+    samples: &[ShardSample],
+) -> Vec<Delivered> {
+    let refs = table.sample_refs(source, samples).await.unwrap();
+    let reply = worker
+        .client
+        .decode_batch(proto::DecodeBatchRequest {
+            batch_id: 1,
+            bucket: table.bucket.clone(),
+            samples: refs.iter().map(proto::SampleRef::from).collect(),
+            transform: Some(crop(16, 16)),
+        })
+        .await
+        .unwrap();
+    reply
+        .samples
+        .into_iter()
+        .map(|m| Delivered {
+            shard_key: m.key,
+            metadata: serde_json::from_str(&m.metadata).unwrap(),
+            skip: m.skip_reason,
+            width: m.width,
+        })
+        .collect()
+}
+
+fn get_requests(worker: &TestWorker) -> f64 {
+    metric(
+        &worker.state.metrics.encode(),
+        "stoker_loader_s3_requests_total{op=\"get_object\"}",
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sample_once_across_four_ranks_with_captions_labels_and_a_truncated_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path()).unwrap();
+    server.create_bucket(INDEX_BUCKET).unwrap();
+    let (shards, per) = (6, 50);
+    write_shards(&server, "wds", shards, per);
+
+    // The index, built by its own process into a bucket apart from the data.
+    let summary = index_process(
+        &server,
+        &format!("s3://{BUCKET}/wds/{{00000..{:05}}}.tar", shards - 1),
+        &format!("s3://{INDEX_BUCKET}/pipe/"),
+    );
+    assert_eq!(summary["shards"], shards);
+    assert_eq!(summary["samples"], shards * per);
+    assert_eq!(summary["problems"], 0);
+    eprintln!("index: {summary}");
+
+    // The last shard loses its tail after indexing: the samples past the cut are skipped
+    // with their shard, range and reason; the shard's other samples still arrive.
+    let last = server.root().join(BUCKET).join("wds/00005.tar");
+    let bytes = std::fs::read(&last).unwrap();
+    let cut = bytes.len() * 3 / 5;
+    std::fs::write(&last, &bytes[..cut]).unwrap();
+
+    let (source, _) = source(&server).await;
+    let location = ManifestLocation::parse(&format!("s3://{INDEX_BUCKET}/pipe/"));
+    let table = ShardTable::load(&source, location).await.unwrap();
+    assert_eq!(table.counts, vec![per as u32; shards]);
+
+    let mut worker = worker(Some(&server), 2).await;
+    let mut delivered = Vec::new();
+    let mut batches = 0usize;
+    for rank in 0..4 {
+        for batch in plan(rank, 4, 16).shard_plan_from(&table.counts, 120, Cursor::default()) {
+            delivered.extend(decode(&mut worker, &table, &source, &batch.samples).await);
+            batches += 1;
+        }
+    }
+    let gets = get_requests(&worker);
+    let n = shards * per;
+    assert_eq!(delivered.len(), n, "300 divides by 4 ranks: no padding");
+    let mut seen = HashSet::new();
+    let mut skipped = Vec::new();
+    for d in &delivered {
+        if !d.skip.is_empty() {
+            assert_eq!(
+                d.shard_key, "wds/00005.tar",
+                "only the cut shard loses samples"
+            );
+            assert_eq!(d.skip, "truncated");
+            let range = d.metadata["__range__"]
+                .as_str()
+                .expect("a skip names its range");
+            let end: usize = range.split('-').nth(1).unwrap().parse().unwrap();
+            assert!(
+                end > cut,
+                "skipped sample {range} lies before the cut at {cut}"
+            );
+            skipped.push(range.to_string());
+            continue;
+        }
+        let key = d.metadata["__key__"].as_str().unwrap().to_string();
+        let number: usize = key[1..].parse().unwrap();
+        assert_eq!(d.metadata["caption"], format!("caption {number}"));
+        assert_eq!(d.metadata["label"], number % 10);
+        assert_eq!(d.shard_key, format!("wds/{:05}.tar", number / per));
+        assert_eq!(d.width, 16);
+        assert!(seen.insert(key), "a sample delivered twice");
+    }
+    assert!(
+        !skipped.is_empty() && skipped.len() < per,
+        "{} skipped",
+        skipped.len()
+    );
+    assert_eq!(
+        seen.len() + skipped.len(),
+        n,
+        "every sample once: delivered or skipped"
+    );
+    eprintln!(
+        "{n} samples in {batches} batches: {gets} range GETs ({:.2} per sample), {} skipped",
+        gets / n as f64,
+        skipped.len()
+    );
+    assert!(gets <= n as f64, "never more than one GET per sample");
+
+    // Without shuffling a batch is one run of neighbours: one GET per batch.
+    let before = get_requests(&worker);
+    let ordered = PlanConfig {
+        shuffle: false,
+        ..plan(0, 1, 25)
+    };
+    let first = ordered
+        .shard_plan_from(&table.counts, 120, Cursor::default())
+        .next()
+        .unwrap();
+    let got = decode(&mut worker, &table, &source, &first.samples).await;
+    assert!(got.iter().all(|d| d.skip.is_empty()));
+    assert_eq!(
+        get_requests(&worker) - before,
+        1.0,
+        "25 neighbours in one range GET"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_mid_shard_decodes_the_remaining_order_and_a_cut_shard_is_reported_at_index_time()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path()).unwrap();
+    write_shards(&server, "wds", 3, 40);
+    // Truncated before indexing: the index keeps the complete samples and says what it left.
+    let last = server.root().join(BUCKET).join("wds/00002.tar");
+    let bytes = std::fs::read(&last).unwrap();
+    std::fs::write(&last, &bytes[..bytes.len() / 2]).unwrap();
+
+    let (source, _) = source(&server).await;
+    let (bucket, keys) = resolve_shards(&source, &format!("s3://{BUCKET}/wds/"))
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 3, "every .tar under the prefix");
+    let (index, offsets) = build_webdataset(&source, &bucket, &keys, 2).await.unwrap();
+    assert_eq!(index.shards[0].samples, 40);
+    let kept = index.shards[2].samples;
+    assert!(
+        kept > 10 && kept < 40,
+        "{kept} samples kept of the cut shard"
+    );
+    assert_eq!(index.problems.len(), 1);
+    assert_eq!(index.problems[0].key, "wds/00002.tar");
+    assert!(
+        index.problems[0].reason.contains("truncated"),
+        "{:?}",
+        index.problems
+    );
+
+    let out = dir.path().join("index");
+    stoker_loader::index::write_index(
+        &source,
+        &ManifestLocation::File(out.clone()),
+        &index,
+        offsets,
+    )
+    .await
+    .unwrap();
+    let table = ShardTable::load(&source, ManifestLocation::File(out))
+        .await
+        .unwrap();
+    let mut worker = worker(Some(&server), 2).await;
+
+    // Rank 1 of 2: the whole epoch, then a restart from the checkpoint after batch 3 (mid
+    // shard): the remaining batches decode to the same samples in the same order.
+    let keys_of = |d: Vec<Delivered>| -> Vec<String> {
+        d.into_iter()
+            .map(|d| {
+                assert!(d.skip.is_empty(), "{d:?}");
+                d.metadata["__key__"].as_str().unwrap().to_string()
+            })
+            .collect()
+    };
+    let full: Vec<_> = plan(1, 2, 8)
+        .shard_plan_from(
+            &table.counts,
+            30,
+            Cursor {
+                epoch: 3,
+                position: 0,
+            },
+        )
+        .collect();
+    let mut full_keys = Vec::new();
+    for b in &full {
+        full_keys.push(keys_of(
+            decode(&mut worker, &table, &source, &b.samples).await,
+        ));
+    }
+    let position = full[2].position;
+    let resumed: Vec<_> = plan(1, 2, 8)
+        .shard_plan_from(&table.counts, 30, Cursor { epoch: 3, position })
+        .collect();
+    let mut resumed_keys = Vec::new();
+    for b in &resumed {
+        resumed_keys.push(keys_of(
+            decode(&mut worker, &table, &source, &b.samples).await,
+        ));
+    }
+    assert_eq!(resumed_keys, full_keys[3..], "the remaining order, exactly");
+}
+
+/// Like [`WRITE_SHARDS`] at scale: a few tiny JPEGs encoded once, and a `.cls` label, so that
+/// 200,000 samples take ~2 KiB each (tar's 512-byte blocks) and a few seconds to write.
+const WRITE_MANY_SHARDS: &str = r#"
+import io, sys
+import webdataset as wds
+from PIL import Image
+out, shards, per = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+jpegs = []
+for c in range(16):
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (c * 16, 255 - c * 16, 128)).save(buf, format="JPEG", quality=50)
+    jpegs.append(buf.getvalue())
+for s in range(shards):
+    with wds.TarWriter(f"{out}/{s:05d}.tar") as w:
+        for i in range(per):
+            n = s * per + i
+            w.write({"__key__": f"s{n:07d}", "jpg": jpegs[n % 16], "cls": n % 1000})
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_thousand_samples_plan_in_o_shards_memory_and_the_first_batch_is_fast() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path()).unwrap();
+    server.create_bucket(INDEX_BUCKET).unwrap();
+    let (shards, per) = (20usize, 10_000usize);
+    let data = server.root().join(BUCKET).join("big");
+    std::fs::create_dir_all(&data).unwrap();
+    let t = std::time::Instant::now();
+    let out = Command::new(python())
+        .args(["-c", WRITE_MANY_SHARDS])
+        .arg(&data)
+        .args([shards.to_string(), per.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!(
+        "wrote {} samples in {:.1} s",
+        shards * per,
+        t.elapsed().as_secs_f64()
+    );
+
+    let summary = index_process(
+        &server,
+        &format!("s3://{BUCKET}/big/{{00000..{:05}}}.tar", shards - 1),
+        &format!("s3://{INDEX_BUCKET}/big/"),
+    );
+    assert_eq!(summary["samples"], shards * per);
+    eprintln!("index of {} samples: {summary}", shards * per);
+
+    // The first batch as a sidecar would get it: load the summary, plan, read one shard's
+    // offsets, decode.
+    let (source, _) = source(&server).await;
+    let mut worker = worker(Some(&server), 2).await;
+    let t0 = std::time::Instant::now();
+    let location = ManifestLocation::parse(&format!("s3://{INDEX_BUCKET}/big/"));
+    let table = ShardTable::load(&source, location).await.unwrap();
+    let window = stoker_loader::sidecar::plan::DEFAULT_SHUFFLE_WINDOW;
+    let mut batches = plan(3, 8, 32).shard_plan_from(&table.counts, window, Cursor::default());
+    let first = batches.next().unwrap();
+    let got = decode(&mut worker, &table, &source, &first.samples).await;
+    let first_batch = t0.elapsed();
+    assert_eq!(got.len(), 32);
+    assert!(got.iter().all(|d| d.skip.is_empty()));
+    assert_eq!(batches.len(), (shards * per).div_ceil(8).div_ceil(32));
+
+    // The plan's memory: the shard table and the order, O(shards), plus the window.
+    let plan_bytes = table.resident_bytes() + batches.state_bytes();
+    let bound = 128 * shards + 8 * window + 1024;
+    eprintln!(
+        "first batch {:.0} ms; plan state {plan_bytes} bytes for {} samples in {shards} shards (bound {bound})",
+        first_batch.as_secs_f64() * 1e3,
+        shards * per
+    );
+    assert!(plan_bytes <= bound, "{plan_bytes} > {bound}");
+}
