@@ -19,7 +19,7 @@ if ! "$venv/bin/python" -c 'import numpy, pytest, PIL, skimage, matplotlib, boto
 fi
 if [ -f "$root/clients/python/pyproject.toml" ]; then
   stamp="$venv/.stoker-client-$(find "$root/clients/python" -type f \( -name '*.py' -o -name '*.toml' \) \
-    -not -path '*/tests/*' -print0 | sort -z | xargs -0 cat | sha256sum | cut -c1-16)"
+    -not -path '*/tests/*' -not -path '*/build/*' -not -path '*.egg-info/*' -print0 | sort -z | xargs -0 cat | sha256sum | cut -c1-16)"
   if [ ! -f "$stamp" ]; then
     echo "[python] installing clients/python into $venv" >&2
     "$venv/bin/pip" install --quiet "$root/clients/python"

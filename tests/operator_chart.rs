@@ -3,8 +3,7 @@
 
 mod operator_support;
 
-use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -21,32 +20,6 @@ use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
 use stoker_testenv::cluster::ControlPlane;
 use stoker_testenv::http;
-
-const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/stoker");
-
-fn run(mut cmd: Command, stdin: Option<&str>) -> String {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    if stdin.is_some() {
-        cmd.stdin(Stdio::piped());
-    }
-    let mut child = cmd.spawn().expect("spawn");
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(input.as_bytes())
-            .expect("write stdin");
-    }
-    let out = child.wait_with_output().expect("wait");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
-    text
-}
 
 fn template(cp: &ControlPlane, ns: &str, extra: &[&str]) -> String {
     let mut cmd = cp.helm();

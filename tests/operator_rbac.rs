@@ -7,8 +7,6 @@
 
 mod operator_support;
 
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -23,32 +21,6 @@ use stoker_operator::autoscale::{AutoscalerSettings, AutoscalingPolicy};
 use stoker_operator::build::BuildDefaults;
 use stoker_operator::leader::LeaseConfig;
 use stoker_testenv::cluster::ControlPlane;
-
-const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/stoker");
-
-fn run(mut cmd: Command, stdin: Option<&str>) -> String {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    if stdin.is_some() {
-        cmd.stdin(Stdio::piped());
-    }
-    let mut child = cmd.spawn().expect("spawn");
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(input.as_bytes())
-            .expect("write stdin");
-    }
-    let out = child.wait_with_output().expect("wait");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
-    text
-}
 
 /// Whether `result` is the API server's 403.
 fn forbidden<T: std::fmt::Debug>(result: Result<T, kube::Error>) -> bool {

@@ -33,8 +33,13 @@ for s in range(shards):
             w.write({"__key__": f"s{n:07d}", "jpg": buf.getvalue(), "txt": f"caption {n}", "cls": n % 10})
 "#;
 
-/// The test venv's python (scripts/python-env.sh installs webdataset and pyarrow there).
+/// The test venv's python (scripts/python-env.sh installs webdataset and pyarrow there):
+/// `$STOKER_PYTHON`, as scripts/test.sh sets it, else the script's answer (which installs what
+/// is missing: tests running at once must not each reinstall, so CI sets the variable).
 fn python() -> std::path::PathBuf {
+    if let Some(python) = std::env::var_os("STOKER_PYTHON") {
+        return python.into();
+    }
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/python-env.sh");
     let out = Command::new("bash")
         .arg(script)

@@ -6,7 +6,9 @@ pub mod exporter;
 pub mod prometheus_stub;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
 use std::net::SocketAddr;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -18,6 +20,35 @@ use stoker_operator::build::BuildDefaults;
 use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::{CancellationToken, Config};
 use tokio::sync::OnceCell;
+
+/// The Helm chart.
+pub const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/stoker");
+
+/// Runs `cmd` (with `stdin` written to it), asserts it succeeded, and returns its stdout and
+/// stderr.
+pub fn run(mut cmd: Command, stdin: Option<&str>) -> String {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    if stdin.is_some() {
+        cmd.stdin(Stdio::piped());
+    }
+    let mut child = cmd.spawn().expect("spawn");
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input.as_bytes())
+            .expect("write stdin");
+    }
+    let out = child.wait_with_output().expect("wait");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
+    text
+}
 
 pub const LOADER_IMAGE: &str = "registry.invalid/stoker/loader:test";
 
