@@ -104,7 +104,14 @@ async fn kubectl_explains_every_field_and_scales_a_fixed_pipeline() {
     let ns = cp.namespace("crd-scale").await;
     install_crd(&ns.client).await;
 
-    // `kubectl explain` answers from the API server's published schema.
+    // `kubectl explain` answers from the API server's published schema, once kubectl's
+    // discovery has caught up with the CRD just installed.
+    eventually(
+        "kubectl to discover datapipelines",
+        Duration::from_secs(60),
+        || async { kubectl(cp, &["explain", "datapipeline"]).0.then_some(()) },
+    )
+    .await;
     for (path, says) in [
         ("datapipeline", "A fleet of stoker-loader decoders"),
         (
