@@ -117,10 +117,7 @@ async fn scrape(port: u16) -> String {
 struct Operator(Child);
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port()
+    stoker_testenv::net::free_port().expect("port")
 }
 
 /// The real operator binary, watching `ns`, with its metrics on `metrics_port`.

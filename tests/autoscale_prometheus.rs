@@ -8,7 +8,6 @@
 
 mod operator_support;
 
-use std::net::TcpListener as StdListener;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::jiff::Timestamp;
@@ -158,10 +157,7 @@ async fn scraped_seconds(scraped: &ScrapedExporter) -> f64 {
 }
 
 fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    stoker_testenv::net::free_port().expect("a free port")
 }
 
 fn close(actual: Option<f64>, expected: f64, what: &str) {

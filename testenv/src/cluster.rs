@@ -6,6 +6,7 @@
 //! directory and printed when a test fails.
 
 use crate::certs::{TestCa, service_account_key};
+use crate::net::free_port;
 use crate::nodes::{SimNode, default_nodes};
 use crate::process::Component;
 use anyhow::{Context, Result, anyhow, bail};
@@ -13,7 +14,7 @@ use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, Node, ServiceAccount};
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -64,10 +65,6 @@ pub fn bin_dir() -> PathBuf {
                 .join(".cache/stoker")
         });
     cache.join("bin")
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 impl ControlPlane {

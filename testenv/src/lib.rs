@@ -12,6 +12,7 @@ pub mod certs;
 pub mod cluster;
 pub mod http;
 pub mod metrics;
+pub mod net;
 pub mod nodes;
 pub mod process;
 pub mod prometheus;

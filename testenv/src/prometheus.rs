@@ -5,7 +5,7 @@
 
 use crate::process::Component;
 use anyhow::{Context, Result, bail};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -71,7 +71,7 @@ impl Prometheus {
             &config,
             config_yaml(&options.sd_dir, options.scrape_interval),
         )?;
-        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = crate::net::free_port()?;
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         let component = Component::start(
             "prometheus",
