@@ -214,8 +214,17 @@ pub struct SidecarArgs {
     #[arg(long, env = "STOKER_PREFIX", default_value = "")]
     pub prefix: String,
     /// JSONL manifest (s3://bucket/key or a local path) instead of listing the prefix.
-    #[arg(long, env = "STOKER_MANIFEST")]
+    #[arg(long, env = "STOKER_MANIFEST", conflicts_with = "index")]
     pub manifest: Option<String>,
+    /// WebDataset shards through their index (`s3://bucket/prefix/` or a local directory, as
+    /// `stoker-loader index --out` wrote it): the plan orders shards and samples within them,
+    /// holding O(shards) in memory, instead of listing the prefix.
+    #[arg(long, env = "STOKER_INDEX")]
+    pub index: Option<String>,
+    /// Samples of the shard-aware shuffle's buffer (with --index): larger mixes better and
+    /// costs 8 bytes per sample.
+    #[arg(long, env = "STOKER_SHUFFLE_WINDOW", default_value_t = crate::DEFAULT_SHUFFLE_WINDOW)]
+    pub shuffle_window: usize,
     #[arg(long, env = "STOKER_BATCH_SIZE", default_value_t = 32)]
     pub batch_size: usize,
     #[arg(long, env = "STOKER_SHUFFLE_SEED", default_value_t = 42)]

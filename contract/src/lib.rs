@@ -51,6 +51,10 @@ pub const SHM_DIR: &str = "/dev/shm/stoker";
 /// `prefetchBatches + HELD_BATCHES` slots.
 pub const HELD_BATCHES: u64 = 2;
 
+/// Samples in the shard-aware shuffle's buffer by default: WebDataset's usual shuffle size.
+/// At 8 bytes a sample it costs a sidecar 80 KB per rank.
+pub const DEFAULT_SHUFFLE_WINDOW: usize = 10_000;
+
 /// Bytes of one slot: a batch of RGB8 samples of at most `sample_pixels` each.
 pub fn slot_bytes(batch_size: u64, sample_pixels: u64) -> u64 {
     batch_size.saturating_mul(sample_pixels).saturating_mul(3)

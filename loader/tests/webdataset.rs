@@ -3,14 +3,19 @@
 //! shard-aware shuffle, and decoded by a real decode worker from coalesced range GETs.
 
 mod common;
+#[allow(dead_code)]
+mod sidecar_support;
 
 use std::collections::HashSet;
 use std::process::Command;
 
 use common::*;
+use sidecar_support::{decode_worker, sidecar};
 use stoker_loader::index::{ShardTable, build_webdataset, resolve_shards};
 use stoker_loader::proto;
+use stoker_loader::sidecar::client::TrainerClient;
 use stoker_loader::sidecar::plan::{Cursor, PlanConfig, Shard, ShardSample};
+use stoker_loader::sidecar::protocol::Reply;
 use stoker_loader::source::{ManifestLocation, S3Source};
 use stoker_testenv::s3::S3Server;
 
@@ -417,4 +422,96 @@ async fn two_hundred_thousand_samples_plan_in_o_shards_memory_and_the_first_batc
         shards * per
     );
     assert!(plan_bytes <= bound, "{plan_bytes} > {bound}");
+}
+
+/// The real sidecar process planning over the index, as the operator starts it for a
+/// `webDataset` source: two ranks (two sidecars, as two pods), one decode worker process, a
+/// trainer per rank. Every sample arrives once per epoch across the ranks with its caption and
+/// label, a batch resumed mid-epoch continues the same order, and the next epoch is reshuffled.
+#[test]
+fn sidecars_over_the_index_deliver_every_sample_once_per_epoch_and_resume_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path()).unwrap();
+    server.create_bucket(INDEX_BUCKET).unwrap();
+    let (shards, per) = (4, 30);
+    write_shards(&server, "wds", shards, per);
+    index_process(
+        &server,
+        &format!("s3://{BUCKET}/wds/"),
+        &format!("s3://{INDEX_BUCKET}/pipe/"),
+    );
+    let worker = decode_worker(&server);
+    let start = |rank: u32, extra: &[&str]| {
+        let rank = rank.to_string();
+        let mut flags = vec![
+            "--index",
+            "s3://index/pipe/",
+            "--shuffle-window",
+            "40",
+            "--rank",
+            &rank,
+            "--world-size",
+            "2",
+            "--batch-size",
+            "8",
+        ];
+        flags.extend_from_slice(extra);
+        sidecar(&server, dir.path(), &[&worker], &flags)
+    };
+
+    // Two epochs on both ranks: (epoch, rank) -> the samples' keys in delivery order.
+    let mut order = std::collections::BTreeMap::new();
+    for rank in 0..2 {
+        let sidecar = start(rank, &[]);
+        let mut trainer = sidecar.connect();
+        for epoch in 0..2u64 {
+            order.insert((epoch, rank), epoch_keys(&mut trainer, epoch, per));
+        }
+    }
+    let n = shards * per;
+    for epoch in 0..2u64 {
+        let all: Vec<&String> = (0..2).flat_map(|r| &order[&(epoch, r)]).collect();
+        let distinct: HashSet<&String> = all.iter().copied().collect();
+        assert_eq!(all.len(), n, "epoch {epoch}: {n} samples delivered");
+        assert_eq!(distinct.len(), n, "epoch {epoch}: each sample once");
+    }
+    assert_ne!(
+        order[&(0, 0)],
+        order[&(1, 0)],
+        "the second epoch is reshuffled"
+    );
+
+    // A sidecar resumed after 3 batches of epoch 0 delivers the rest of rank 0's order.
+    let resumed = start(0, &["--start-batch", "3"]);
+    let rest = epoch_keys(&mut resumed.connect(), 0, per);
+    assert_eq!(rest, order[&(0, 0)][3 * 8..]);
+}
+
+/// The samples' keys of one epoch as a trainer receives them, checking each sample's caption,
+/// label and shard.
+fn epoch_keys(trainer: &mut TrainerClient, epoch: u64, per: usize) -> Vec<String> {
+    let mut keys = Vec::new();
+    loop {
+        match trainer.next(std::time::Duration::from_secs(60)).unwrap() {
+            Reply::Batch(b) => {
+                assert_eq!(b.epoch, epoch);
+                for s in &b.samples {
+                    assert_eq!(s.skip, None, "{}", s.key);
+                    let meta: serde_json::Value = serde_json::from_str(&s.metadata).unwrap();
+                    let key = meta["__key__"].as_str().unwrap().to_string();
+                    let number: usize = key[1..].parse().unwrap();
+                    assert_eq!(meta["caption"], format!("caption {number}"));
+                    assert_eq!(meta["label"], number % 10);
+                    assert_eq!(s.key, format!("wds/{:05}.tar", number / per));
+                    keys.push(key);
+                }
+                trainer.release(b.slot).unwrap();
+            }
+            Reply::EndOfEpoch { epoch: ended } => {
+                assert_eq!(ended, epoch);
+                return keys;
+            }
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
 }

@@ -15,6 +15,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod protocol;
 pub mod ring;
+pub mod samples;
 mod stages;
 
 use std::sync::Arc;
@@ -37,6 +38,8 @@ pub enum SidecarError {
     },
     #[error("the dataset s3://{bucket}/{prefix} has no samples")]
     EmptyDataset { bucket: String, prefix: String },
+    #[error("loading the dataset index: {0}")]
+    Index(#[from] crate::index::IndexError),
     #[error(transparent)]
     Plan(#[from] PlanError),
     #[error(transparent)]
@@ -79,6 +82,7 @@ impl SidecarError {
         match self {
             SidecarError::Dataset { .. } => "dataset",
             SidecarError::EmptyDataset { .. } => "empty_dataset",
+            SidecarError::Index(e) => e.category(),
             SidecarError::Plan(e) => e.category(),
             SidecarError::Ring(e) => e.category(),
             SidecarError::Discovery(e) => e.category(),

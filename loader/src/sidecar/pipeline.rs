@@ -17,6 +17,7 @@ use super::metrics::{ReasonLabel, RouteLabel, SidecarMetrics};
 use super::plan::{Cursor, PlanConfig, PlanError, Shard};
 use super::protocol::{BatchHeader, SampleHeader, monotonic_ns};
 use super::ring::{ShmRing, SlotLease};
+use super::samples::{PlannedSamples, Samples};
 use crate::batch::{EncodedSample, SampleMeta, decode_batch_into};
 use crate::decode::{DecodeLimits, SkipReason};
 use crate::proto;
@@ -207,8 +208,9 @@ impl BusyTurns {
 
 /// Everything the pipeline needs, shared by its tasks, the hand-off and the HTTP endpoints.
 pub struct Pipeline {
+    /// The bucket the decode requests name (the shards' with an index).
     pub bucket: String,
-    pub samples: Arc<Vec<SampleRef>>,
+    pub samples: Samples,
     /// Seed, batch size, shuffle and drop_last of every stream; the shard is the stream's.
     pub plan: PlanConfig,
     /// Where a stream starts unless the trainer seeks (the flags' resume point).
@@ -263,7 +265,7 @@ struct Planned {
     batch_id: u64,
     /// The epoch's position once every rank has consumed this batch.
     position: usize,
-    refs: Vec<SampleRef>,
+    samples: PlannedSamples,
 }
 
 /// A decoded batch, and where its pixels are.
@@ -399,7 +401,7 @@ impl Pipeline {
         }
         let walk = tokio::spawn(self.clone().walk(stream.generation, plan, from));
         stream.walker = Some(walk.abort_handle());
-        Ok(plan.plan_from(self.samples.len(), from).batches.len() as u64)
+        Ok(plan.batches_left(self.samples.len(), from) as u64)
     }
 
     /// Walks the epochs from `from`; returns after the last epoch (never, by default).
@@ -414,8 +416,8 @@ impl Pipeline {
                 return;
             }
             self.metrics.epoch.set(cursor.epoch as i64);
-            let epoch = plan.plan_from(samples, cursor);
-            for (j, batch) in epoch.batches.iter().enumerate() {
+            let epoch = self.samples.batches_from(&plan, cursor);
+            for (j, (batch, position)) in epoch.batches.enumerate() {
                 // Waiting here is what keeps memory flat when the trainer stops consuming.
                 let lease = self.ring.acquire().await;
                 let index = epoch.first_index + j as u64;
@@ -425,8 +427,8 @@ impl Pipeline {
                     epoch: cursor.epoch,
                     index,
                     batch_id: cursor.epoch * batches_per_epoch + index,
-                    position: epoch.positions[j],
-                    refs: batch.iter().map(|&i| self.samples[i].clone()).collect(),
+                    position,
+                    samples: batch,
                 };
                 self.metrics.inflight_batches.inc();
                 tokio::spawn(self.clone().fill(planned, lease));
@@ -451,14 +453,19 @@ impl Pipeline {
             index,
             batch_id,
             position,
-            refs,
+            samples,
         } = planned;
         if self.lock_stream().generation != generation {
             // Replaced before its turn came: the lease frees the slot.
             self.metrics.inflight_batches.dec();
             return;
         }
-        let (decoded, mut lease) = match self.decode_sourced(seq, batch_id, &refs, lease).await {
+        let decoded = match samples.resolve(&self.source).await {
+            Ok(refs) => self.decode_sourced(seq, batch_id, &refs, lease).await,
+            // The index's own retries are spent: as for the data, the trainer is told.
+            Err(err) => Err(format!("reading the dataset index: {err}")),
+        };
+        let (decoded, mut lease) = match decoded {
             Ok(done) => done,
             Err(message) => {
                 tracing::error!(%message, "source unavailable; delivery stops");

@@ -151,10 +151,22 @@ impl PlanConfig {
             .collect();
         EpochPlan {
             epoch: from.epoch,
-            first_index: (start / (bs * world)) as u64,
+            first_index: self.first_batch_index(from, samples),
             batches,
             positions,
         }
+    }
+
+    /// Batches this rank gets from `from` to the end of its epoch.
+    pub fn batches_left(&self, samples: usize, from: Cursor) -> usize {
+        let rest = samples - from.position.min(samples);
+        self.samples_per_rank(rest).div_ceil(self.batch_size.max(1))
+    }
+
+    /// Index in the epoch of the first batch a plan from `from` gives.
+    pub fn first_batch_index(&self, from: Cursor, samples: usize) -> u64 {
+        let step = self.batch_size.max(1) * self.shard.world_size.max(1) as usize;
+        (from.position.min(samples) / step) as u64
     }
 
     /// The position after the first `batches` batches of an epoch, at this world size.
@@ -179,7 +191,7 @@ pub struct ShardSample {
 /// batch holds samples of about `window / shard size + 1` shards. Larger windows mix better
 /// and cost 8 bytes per sample of window (and spread a batch over more shards, so fewer of
 /// its samples are neighbours that share a range GET).
-pub const DEFAULT_SHUFFLE_WINDOW: usize = 10_000;
+pub use stoker_contract::DEFAULT_SHUFFLE_WINDOW;
 
 /// One epoch's order over a sharded dataset, streamed: O(shards + window) memory, never
 /// O(samples). Deterministic from (seed, epoch, shard sizes, window).

@@ -19,16 +19,18 @@ use super::pipeline::{BusyTurns, Delivery, Pipeline, Stream};
 use super::plan::{Cursor, PlanConfig, PlanError, Shard};
 use super::protocol::{GpuInfo, HelloInfo};
 use super::ring::{SHARED_MODE, ShmRing};
+use super::samples::Samples;
 use super::{SidecarArgs, SidecarError, events, handoff, http};
 use crate::decode::DecodeLimits;
 use crate::gpu::{self, GpuPlacement, GpuProbe};
-use crate::source::{ManifestLocation, S3Config, S3Source, SampleRef};
+use crate::index::ShardTable;
+use crate::source::{ManifestLocation, S3Config, S3Source};
 use crate::transform::Transform;
 
-/// Where samples come from: the S3 source and the sample list every plan orders.
+/// Where samples come from: the S3 source and the samples every plan orders.
 pub(super) struct Dataset {
     pub source: S3Source,
-    pub samples: Arc<Vec<SampleRef>>,
+    pub samples: Samples,
 }
 
 /// One plan per local rank served; every rank has the same number of batches per epoch.
@@ -109,7 +111,8 @@ pub(super) fn probe_gpu(placement: GpuPlacement) -> GpuInfo {
     }
 }
 
-/// Connects to S3 and reads the sample list: the manifest's, else the listing of the prefix.
+/// Connects to S3 and reads what the plans order: the index's shard table, else the manifest's
+/// sample list, else the listing of the prefix.
 pub(super) async fn load_dataset(
     args: &SidecarArgs,
     s3: &S3Config,
@@ -121,21 +124,30 @@ pub(super) async fn load_dataset(
         prefix: args.prefix.clone(),
         source: Box::new(source),
     };
-    let samples = match &args.manifest {
-        Some(m) => source.load_manifest(&ManifestLocation::parse(m)).await,
-        None => source.list(&args.bucket, &args.prefix, 1000).await,
-    }
-    .map_err(dataset_err)?;
+    let samples = if let Some(index) = &args.index {
+        let table = ShardTable::load(&source, ManifestLocation::parse(index)).await?;
+        tracing::info!(
+            index = %index,
+            shards = table.counts.len(),
+            table_bytes = table.resident_bytes(),
+            "planning over the index's shards"
+        );
+        Samples::sharded(table, args.shuffle_window)
+    } else {
+        let listed = match &args.manifest {
+            Some(m) => source.load_manifest(&ManifestLocation::parse(m)).await,
+            None => source.list(&args.bucket, &args.prefix, 1000).await,
+        }
+        .map_err(dataset_err)?;
+        Samples::Listed(Arc::new(listed))
+    };
     if samples.is_empty() {
         return Err(SidecarError::EmptyDataset {
             bucket: args.bucket.clone(),
             prefix: args.prefix.clone(),
         });
     }
-    Ok(Dataset {
-        source,
-        samples: Arc::new(samples),
-    })
+    Ok(Dataset { source, samples })
 }
 
 /// One epoch plan per local rank over `samples`, checked, with the resume point inside an epoch.
@@ -368,7 +380,7 @@ fn pipeline_for(
     shared: &SharedByRanks,
 ) -> Arc<Pipeline> {
     let pipeline = Arc::new(Pipeline {
-        bucket: args.bucket.clone(),
+        bucket: shared.dataset.samples.bucket(&args.bucket).to_string(),
         samples: shared.dataset.samples.clone(),
         plan,
         start: Cursor {
