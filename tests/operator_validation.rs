@@ -357,6 +357,37 @@ async fn invalid_pipelines_are_refused_with_a_message_naming_the_field() {
             ),
             "decoders.resources.requests must not exceed decoders.resources.limits",
         ),
+        (
+            "webDataset and a manifest",
+            with(
+                with(
+                    base("w1"),
+                    "spec.source.webDataset",
+                    json!({"shards": "s3://train-data/{0..3}.tar", "index": "s3://idx/a/"}),
+                ),
+                "spec.source.manifest",
+                json!("s3://train-data/m.jsonl"),
+            ),
+            "source.manifest and source.webDataset are two kinds of source",
+        ),
+        (
+            "webDataset shards in another bucket",
+            with(
+                base("w2"),
+                "spec.source.webDataset",
+                json!({"shards": "s3://other/{0..3}.tar", "index": "s3://idx/a/"}),
+            ),
+            "source.webDataset.shards must lie in source.s3.bucket",
+        ),
+        (
+            "webDataset index not a prefix",
+            with(
+                base("w3"),
+                "spec.source.webDataset",
+                json!({"shards": "s3://train-data/{0..3}.tar", "index": "s3://idx/a"}),
+            ),
+            "source.webDataset.index must be an s3:// prefix ending in /",
+        ),
     ];
     assert!(cases.len() >= 15);
     for (what, obj, expected) in cases.into_iter().chain(limits) {
@@ -400,6 +431,17 @@ async fn invalid_pipelines_are_refused_with_a_message_naming_the_field() {
     create_strict(&ns.client, &ns.name, &at_limits)
         .await
         .expect("a pipeline at every limit is accepted");
+    // Every example in examples/ is admitted as written.
+    for example in [
+        include_str!("../examples/objects.yaml"),
+        include_str!("../examples/manifest.yaml"),
+        include_str!("../examples/webdataset.yaml"),
+    ] {
+        let obj: Value = serde_yaml::from_str(example).expect("example parses");
+        create_strict(&ns.client, &ns.name, &obj)
+            .await
+            .unwrap_or_else(|e| panic!("{} refused: {e}", obj["metadata"]["name"]));
+    }
 
     // Immutable fields: accepted on create, refused on change.
     api.create(

@@ -104,9 +104,12 @@ pub struct DataPipelineSpec {
     pub autoscaling: Autoscaling,
 }
 
-/// The data source.
+/// The data source: objects under `s3.prefix` (one image each), the samples a `manifest`
+/// lists, or `webDataset` shards.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("!has(self.manifest) || !has(self.webDataset)").message("source.manifest and source.webDataset are two kinds of source: name one"))]
+#[x_kube(validation = kube::core::Rule::new("!has(self.webDataset) || self.webDataset.shards.startsWith('s3://' + self.s3.bucket + '/' + (has(self.s3.prefix) ? self.s3.prefix : ''))").message("source.webDataset.shards must lie in source.s3.bucket under source.s3.prefix: the decoders read nothing else"))]
 pub struct Source {
     pub s3: S3Source,
     /// Optional manifest object (`s3://bucket/key.jsonl`): one sample key plus caption/label per line.
@@ -114,6 +117,36 @@ pub struct Source {
     #[schemars(length(min = 6, max = 1100))]
     #[x_kube(validation = kube::core::Rule::new("self.startsWith('s3://')").message("source.manifest must be an s3:// URL, e.g. s3://bucket/train.jsonl"))]
     pub manifest: Option<String>,
+    /// WebDataset tar shards, planned through their index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub web_dataset: Option<WebDataset>,
+}
+
+/// WebDataset shards (`.tar` files whose members sharing a basename form one sample: the image
+/// plus `.txt`, `.cls`, `.json` fields that travel with it to the trainer). Sidecars plan over
+/// the dataset index, not a listing: O(shards) memory, and decoders range-read each batch's
+/// samples from their shards.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct WebDataset {
+    /// The shards: a brace pattern (`s3://bucket/laion/{00000..04095}.tar`) or a prefix ending
+    /// in `/` for every `.tar` under it. In `source.s3.bucket`.
+    #[schemars(length(min = 6, max = 1100))]
+    #[x_kube(validation = kube::core::Rule::new("self.startsWith('s3://')").message("source.webDataset.shards must be an s3:// URL, e.g. s3://bucket/laion/{00000..04095}.tar"))]
+    pub shards: String,
+    /// Where the dataset index is, as `stoker-loader index --out` writes it
+    /// (`s3://bucket/prefix/`): a summary of a few bytes per shard plus a per-shard offset
+    /// table that sidecars range-read. Read with the pipeline's credentials; it may lie in
+    /// another bucket, so the data bucket's credentials can stay read-only.
+    #[schemars(length(min = 6, max = 1100))]
+    #[x_kube(validation = kube::core::Rule::new("self.startsWith('s3://') && self.endsWith('/')").message("source.webDataset.index must be an s3:// prefix ending in /, e.g. s3://indexes/laion/"))]
+    pub index: String,
+    /// Samples in the shard-aware shuffle's buffer (default 10,000): each epoch shuffles the
+    /// shard order, then draws samples at random from a buffer this large. Larger mixes
+    /// better and costs each sidecar 8 bytes per sample per rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub shuffle_window: Option<u32>,
 }
 
 /// An S3 (or S3-compatible) bucket and prefix.
@@ -761,6 +794,46 @@ mod tests {
         assert!(rejected(&dp).contains("minPixels <= transform.resize.maxPixels"));
         dp.spec.transform.resize.min_pixels = None;
         assert!(rejected(&dp).contains("minPixels <= transform.resize.maxPixels"));
+    }
+
+    #[test]
+    fn examples_pass_every_rule() {
+        for example in [
+            include_str!("../../examples/objects.yaml"),
+            include_str!("../../examples/manifest.yaml"),
+            include_str!("../../examples/webdataset.yaml"),
+        ] {
+            let dp: DataPipeline = serde_yaml::from_str(example).expect("example parses");
+            dp.validate_cel().expect("example is valid");
+        }
+    }
+
+    #[test]
+    fn web_dataset_shards_lie_where_decoders_read_and_exclude_a_manifest() {
+        let wds: DataPipeline =
+            serde_yaml::from_str(include_str!("../../examples/webdataset.yaml")).expect("parses");
+        let mut dp = wds.clone();
+        dp.spec.source.manifest = Some("s3://laion/train.jsonl".into());
+        assert!(rejected(&dp).contains("source.manifest and source.webDataset"));
+        for outside in [
+            "s3://other/shards/{0..3}.tar",
+            "s3://laion/elsewhere/{0..3}.tar",
+            "s3://laionx/shards/0.tar",
+        ] {
+            let mut dp = wds.clone();
+            dp.spec.source.web_dataset.as_mut().expect("wds").shards = outside.into();
+            assert!(
+                rejected(&dp).contains("source.webDataset.shards must lie in source.s3.bucket"),
+                "{outside}"
+            );
+        }
+        let mut dp = wds.clone();
+        dp.spec.source.web_dataset.as_mut().expect("wds").index = "s3://laion-index/v1".into();
+        assert!(rejected(&dp).contains("source.webDataset.index must be an s3:// prefix"));
+        let mut dp = wds;
+        dp.spec.source.s3.prefix = None;
+        dp.validate_cel()
+            .expect("without a prefix, anywhere in the bucket");
     }
 
     #[test]

@@ -78,6 +78,13 @@ pub fn sidecar(dp: &DataPipeline) -> Result<SidecarArgs, clap::Error> {
     Ok(SidecarArgs {
         prefix: spec.source.s3.prefix.clone().unwrap_or_default(),
         manifest: spec.source.manifest.clone(),
+        index: spec.source.web_dataset.as_ref().map(|w| w.index.clone()),
+        shuffle_window: spec
+            .source
+            .web_dataset
+            .as_ref()
+            .and_then(|w| w.shuffle_window)
+            .map_or(defaults.shuffle_window, |w| w as usize),
         batch_size,
         seed: or_default(spec.batch.shuffle_seed, defaults.seed),
         no_shuffle: spec.batch.shuffle_seed.is_none(),
@@ -128,6 +135,9 @@ mod tests {
     fn every_argument_parses_back_in_the_loader() {
         for fixture in [
             include_str!("../../tests/fixtures/datapipeline-crop.yaml"),
+            include_str!("../../examples/objects.yaml"),
+            include_str!("../../examples/manifest.yaml"),
+            include_str!("../../examples/webdataset.yaml"),
             include_str!("../../tests/fixtures/datapipeline-qwen.yaml"),
         ] {
             let dp = dp(fixture);
@@ -141,6 +151,26 @@ mod tests {
             let line = decode.command_line().expect("renders");
             assert_eq!(DecodeArgs::parse_flags(&line[1..]).expect("parses"), decode);
         }
+    }
+
+    #[test]
+    fn a_web_dataset_sidecar_plans_over_the_index_and_decoders_keep_the_prefix() {
+        let dp = dp(include_str!("../../examples/webdataset.yaml"));
+        let args = sidecar(&dp).expect("builds");
+        assert_eq!(args.index.as_deref(), Some("s3://laion-index/v1/"));
+        assert_eq!(args.manifest, None);
+        assert_eq!(args.shuffle_window, 10_000);
+        let line = sidecar_args(&dp).expect("renders").join(" ");
+        assert!(line.contains("--index s3://laion-index/v1/"), "{line}");
+        let decode = decode(&dp).expect("builds");
+        assert_eq!(decode.bucket.as_deref(), Some("laion"));
+        assert_eq!(decode.prefix.as_deref(), Some("shards/"));
+
+        let mut other = dp.clone();
+        other.spec.source.web_dataset.as_mut().expect("wds").shuffle_window = Some(500);
+        assert_eq!(sidecar(&other).expect("builds").shuffle_window, 500);
+        let plain = self::dp(include_str!("../../examples/objects.yaml"));
+        assert_eq!(sidecar(&plain).expect("builds").index, None);
     }
 
     #[test]
