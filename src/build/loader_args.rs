@@ -167,7 +167,13 @@ mod tests {
         assert_eq!(decode.prefix.as_deref(), Some("shards/"));
 
         let mut other = dp.clone();
-        other.spec.source.web_dataset.as_mut().expect("wds").shuffle_window = Some(500);
+        other
+            .spec
+            .source
+            .web_dataset
+            .as_mut()
+            .expect("wds")
+            .shuffle_window = Some(500);
         assert_eq!(sidecar(&other).expect("builds").shuffle_window, 500);
         let plain = self::dp(include_str!("../../examples/objects.yaml"));
         assert_eq!(sidecar(&plain).expect("builds").index, None);
