@@ -38,6 +38,7 @@ pub async fn apply_desired(
         sidecar_service_account,
         sidecar_token,
         decoder_service_account,
+        index_job,
         decoders,
     } = desired;
     let client = &ctx.client;
@@ -51,17 +52,29 @@ pub async fn apply_desired(
             None => Ok(false),
         }
     };
-    let applied = futures::try_join!(
+    // The Role before its RoleBinding: the API server refuses to bind a Role it cannot find
+    // (NotFound). Then the rest at once, each to its end: one failing apply must not abort
+    // the others mid-request (under load a slow one would never land).
+    let role = apply_child(client, sidecar_role, c.map(|c| &c.roles)).await?;
+    let (service, network_policy, role_binding, account, decoder_account) = futures::join!(
         apply_child(client, service, c.map(|c| &c.services)),
         apply_child(client, network_policy, c.map(|c| &c.network_policies)),
-        apply_child(client, sidecar_role, c.map(|c| &c.roles)),
         apply_child(client, sidecar_role_binding, c.map(|c| &c.role_bindings)),
         apply_child(client, sidecar_service_account, accounts),
         decoder_account,
-    )?;
-    let (a, b, c, d, e, f) = applied;
-    ctx.metrics.children_applied(&[a, b, c, d, e, f]);
+    );
+    ctx.metrics.children_applied(&[
+        role,
+        service?,
+        network_policy?,
+        role_binding?,
+        account?,
+        decoder_account?,
+    ]);
     create_token_secret(ctx, sidecar_token).await?;
+    if let Some(job) = index_job {
+        super::index::ensure_job(ctx, job).await?;
+    }
     apply_decoder_changes(ctx, key, decoders, now).await
 }
 

@@ -128,6 +128,14 @@ impl Operator {
     }
 
     pub async fn start_with(client: Client, config: Config) -> Self {
+        // The operator's warnings (a lost lease, a failing reconcile) in the failure output.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "stoker_operator=warn".into()),
+            )
+            .with_test_writer()
+            .try_init();
         let shutdown = CancellationToken::new();
         let running = stoker_operator::start(client, config, shutdown.clone())
             .await
