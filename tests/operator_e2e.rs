@@ -635,3 +635,114 @@ async fn a_sidecars_source_report_becomes_the_pipelines_condition() {
     .await;
     assert_eq!(shown.message, note);
 }
+
+/// A `webDataset` pipeline gets the Job that builds its index: owned by the pipeline, admitted
+/// under the restricted standard, running `stoker-loader index` over the pipeline's shards into
+/// its index location with the pipeline's S3 settings; the Job controller runs it (KWOK
+/// completes its pod) and the pipeline reports `IndexReady`. A resync or a restarted operator
+/// runs no second Job; the reindex annotation does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_web_dataset_pipeline_builds_its_index_with_one_job() {
+    use k8s_openapi::api::batch::v1::Job;
+    use stoker_contract::{IndexArgs, LoaderCommand};
+    use stoker_operator::build::index_job::{ANNOTATION_REINDEX, LABEL_INDEX_OF};
+
+    let cp = ControlPlane::shared();
+    let ns = cp.namespace("op-index").await;
+    install_crd(&ns.client).await;
+    let op = Operator::start(ns.client.clone(), &ns.name, None).await;
+    let dps: Api<DataPipeline> = Api::namespaced(ns.client.clone(), &ns.name);
+    let jobs: Api<Job> = Api::namespaced(ns.client.clone(), &ns.name);
+    let mut dp = pipeline("shards", 1, 1);
+    dp.spec.source.s3.prefix = Some("wds/".into());
+    dp.spec.source.web_dataset = serde_json::from_value(json!({
+        "shards": "s3://train-data/wds/{00000..00003}.tar",
+        "index": "s3://train-index/shards/",
+    }))
+    .expect("webDataset");
+    dps.create(&PostParams::default(), &dp)
+        .await
+        .expect("create pipeline");
+
+    let index_jobs = || async {
+        jobs.list(&Default::default())
+            .await
+            .expect("list jobs")
+            .items
+    };
+    let job = eventually("the index Job", Duration::from_secs(30), || async {
+        index_jobs().await.into_iter().next()
+    })
+    .await;
+    let owner = &job.owner_references()[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.controller),
+        ("DataPipeline", Some(true))
+    );
+    let template = job.spec.as_ref().expect("spec").template.clone();
+    let pod = template.spec.expect("pod spec");
+    let args = pod.containers[0].args.clone().expect("args");
+    let parsed = IndexArgs::parse_flags(&args[1..]).expect("the loader parses the Job's args");
+    assert_eq!(args[0], "index");
+    assert_eq!(parsed.shards, "s3://train-data/wds/{00000..00003}.tar");
+    assert_eq!(parsed.out, "s3://train-index/shards/");
+    assert_eq!(parsed.s3.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+    assert_eq!(
+        parsed.summary_file.as_deref(),
+        Some(std::path::Path::new("/dev/termination-log"))
+    );
+    let labels = template
+        .metadata
+        .expect("pod metadata")
+        .labels
+        .expect("labels");
+    assert_eq!(
+        labels.get(LABEL_INDEX_OF).map(String::as_str),
+        Some("shards")
+    );
+    assert!(
+        !labels.contains_key("stoker.dev/pipeline"),
+        "the webhook must not inject a sidecar into the index pod"
+    );
+    assert_eq!(pod.automount_service_account_token, Some(false));
+
+    // Restricted admission let the Job's pod in; it ran; the pipeline says so.
+    let index_ready = || async {
+        let status = dps.get("shards").await.ok()?.status?;
+        let ready = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "IndexReady" && c.status == "True");
+        status.index.filter(|i| ready && i.phase == "Ready")
+    };
+    let index = eventually("IndexReady=True", Duration::from_secs(60), index_ready).await;
+    assert_eq!(index.job, job.name_any());
+    assert_eq!(index.location, "s3://train-index/shards/");
+
+    // A restarted operator finds the finished Job and runs no other.
+    op.stop().await;
+    let op = Operator::start(ns.client.clone(), &ns.name, None).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(index_jobs().await.len(), 1, "one Job per index");
+
+    // Asking for a rebuild makes a second Job, and the status follows it.
+    dps.patch(
+        "shards",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"annotations": {ANNOTATION_REINDEX: "1"}}})),
+    )
+    .await
+    .expect("annotate");
+    let rebuilt = eventually("a second index Job", Duration::from_secs(30), || async {
+        let all = index_jobs().await;
+        all.into_iter().find(|j| j.name_any() != job.name_any())
+    })
+    .await;
+    eventually(
+        "status.index follows the new Job",
+        Duration::from_secs(60),
+        || async { index_ready().await.filter(|i| i.job == rebuilt.name_any()) },
+    )
+    .await;
+    op.stop().await;
+}

@@ -346,3 +346,27 @@ impl SidecarArgs {
             .unwrap_or(self.node_rank.saturating_mul(self.local_ranks.max(1)))
     }
 }
+
+/// `stoker-loader index`: reads WebDataset shards once and writes the dataset index that
+/// sidecars plan over (the operator runs it as a Job for a `webDataset` source).
+#[derive(clap::Args, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct IndexArgs {
+    /// WebDataset shards: `s3://bucket/laion/{00000..04095}.tar`, or `s3://bucket/prefix/` for
+    /// every `.tar` under the prefix.
+    #[arg(long)]
+    pub shards: String,
+    /// Where `index.json` and `offsets.bin` go: `s3://bucket/prefix/` (a location apart from the
+    /// data, so the data's credentials can stay read-only) or a directory.
+    #[arg(long)]
+    pub out: String,
+    /// Shards read at once.
+    #[arg(long, default_value_t = 8)]
+    pub parallel: usize,
+    /// Also write the summary line here: the operator's Job names `/dev/termination-log`,
+    /// which Kubernetes copies into the pod's status for the operator to read.
+    #[arg(long)]
+    pub summary_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub s3: S3Args,
+}

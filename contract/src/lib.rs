@@ -7,7 +7,9 @@
 mod args;
 mod render;
 
-pub use args::{DecodeArgs, GpuPlacement, ResizeMode, S3Args, SidecarArgs, TlsArgs, TransformArgs};
+pub use args::{
+    DecodeArgs, GpuPlacement, IndexArgs, ResizeMode, S3Args, SidecarArgs, TlsArgs, TransformArgs,
+};
 pub use render::{LoaderCommand, RenderError};
 
 /// API group of stoker's resources.

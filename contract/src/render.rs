@@ -80,6 +80,10 @@ impl LoaderCommand for crate::SidecarArgs {
     const SUBCOMMAND: &'static str = "sidecar";
 }
 
+impl LoaderCommand for crate::IndexArgs {
+    const SUBCOMMAND: &'static str = "index";
+}
+
 fn object<T: Serialize>(value: &T) -> Result<Map<String, Value>, RenderError> {
     match serde_json::to_value(value).map_err(RenderError::Serialize)? {
         Value::Object(map) => Ok(map),

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use stoker_contract::{
-    DecodeArgs, GpuPlacement, LoaderCommand, ResizeMode, S3Args, SidecarArgs, TlsArgs,
+    DecodeArgs, GpuPlacement, IndexArgs, LoaderCommand, ResizeMode, S3Args, SidecarArgs, TlsArgs,
     TransformArgs,
 };
 
@@ -30,6 +30,8 @@ fn sidecar() -> SidecarArgs {
         bucket: "laion".into(),
         prefix: "images/".into(),
         manifest: Some("s3://laion/train.jsonl".into()),
+        index: None,
+        shuffle_window: 500,
         batch_size: 7,
         seed: 9,
         no_shuffle: true,
@@ -89,6 +91,34 @@ fn parse_back<T: LoaderCommand>(args: &T) -> T {
 #[test]
 fn sidecar_arguments_parse_back_to_the_same_values() {
     assert_eq!(parse_back(&sidecar()), sidecar());
+    // A WebDataset source: the index instead of the manifest (the two exclude each other).
+    let sharded = SidecarArgs {
+        manifest: None,
+        index: Some("s3://laion-index/v1/".into()),
+        ..sidecar()
+    };
+    assert_eq!(parse_back(&sharded), sharded);
+    let both = [
+        "--bucket",
+        "b",
+        "--manifest",
+        "s3://b/m.jsonl",
+        "--index",
+        "s3://i/",
+    ];
+    assert!(SidecarArgs::parse_flags(both).is_err());
+}
+
+#[test]
+fn index_arguments_parse_back_to_the_same_values() {
+    let index = IndexArgs {
+        shards: "s3://laion/shards/{00000..04095}.tar".into(),
+        out: "s3://laion-index/v1/".into(),
+        parallel: 3,
+        summary_file: Some(PathBuf::from("/dev/termination-log")),
+        s3: s3(),
+    };
+    assert_eq!(parse_back(&index), index);
 }
 
 #[test]

@@ -7,7 +7,7 @@ mod bench;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use stoker_contract::{DecodeArgs, S3Args, SidecarArgs, TransformArgs};
+use stoker_contract::{DecodeArgs, IndexArgs, S3Args, SidecarArgs, TransformArgs};
 use stoker_loader::decode::DecodeLimits;
 use stoker_loader::profile::{ProfileConfig, run_profile};
 use stoker_loader::source::{S3Config, S3Source};
@@ -34,23 +34,6 @@ enum Command {
     /// Read WebDataset shards once and write the dataset index (per shard: sample count and
     /// where each sample starts) that sidecars read instead of listing.
     Index(IndexArgs),
-}
-
-#[derive(Args, Debug)]
-struct IndexArgs {
-    /// WebDataset shards: `s3://bucket/laion/{00000..04095}.tar`, or `s3://bucket/prefix/` for
-    /// every `.tar` under the prefix.
-    #[arg(long)]
-    shards: String,
-    /// Where `index.json` and `offsets.bin` go: `s3://bucket/prefix/` (a location apart from the
-    /// data, so the data's credentials can stay read-only) or a directory.
-    #[arg(long)]
-    out: String,
-    /// Shards read at once.
-    #[arg(long, default_value_t = 8)]
-    parallel: usize,
-    #[command(flatten)]
-    s3: S3Args,
 }
 
 /// S3 settings for the loader's S3 client.
@@ -199,18 +182,21 @@ async fn index(args: IndexArgs) -> anyhow::Result<()> {
     let offsets_bytes = offsets.len();
     index::write_index(&source, &location, &built, offsets).await?;
     // One JSON line for the operator's Job and for scripts.
-    println!(
-        "{}",
-        serde_json::json!({
-            "index": location.to_string(),
-            "shards": built.shards.len(),
-            "samples": built.samples,
-            "shardBytes": built.shards.iter().map(|s| s.bytes).sum::<u64>(),
-            "offsetsBytes": offsets_bytes,
-            "problems": built.problems.len(),
-            "seconds": t0.elapsed().as_secs_f64(),
-        })
-    );
+    let summary = serde_json::json!({
+        "index": location.to_string(),
+        "shards": built.shards.len(),
+        "samples": built.samples,
+        "shardBytes": built.shards.iter().map(|s| s.bytes).sum::<u64>(),
+        "offsetsBytes": offsets_bytes,
+        "problems": built.problems.len(),
+        "seconds": t0.elapsed().as_secs_f64(),
+    })
+    .to_string();
+    println!("{summary}");
+    if let Some(path) = &args.summary_file {
+        std::fs::write(path, &summary)
+            .map_err(|e| anyhow::anyhow!("writing the summary to {}: {e}", path.display()))?;
+    }
     Ok(())
 }
 

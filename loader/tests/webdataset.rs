@@ -3,7 +3,6 @@
 //! shard-aware shuffle, and decoded by a real decode worker from coalesced range GETs.
 
 mod common;
-#[allow(dead_code)]
 mod sidecar_support;
 
 use std::collections::HashSet;

@@ -545,6 +545,39 @@ pub struct DataPipelineStatus {
     pub observed: Option<ObservedSignals>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scale: Option<ScaleRecord>,
+    /// The dataset index of a `webDataset` source, and the Job that builds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<IndexStatus>,
+}
+
+/// Where a pipeline's dataset index stands.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct IndexStatus {
+    /// The Job that builds it (`<pipeline>-index-<hash of shards, index, reindex annotation>`).
+    pub job: String,
+    /// Building, Ready or Failed.
+    pub phase: String,
+    /// Where the index is (`source.webDataset.index`).
+    pub location: String,
+    /// Shards indexed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<i64>,
+    /// Samples indexed: what an epoch delivers across the ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<i64>,
+    /// Bytes of the shards read to build it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_bytes: Option<i64>,
+    /// Bytes of the per-sample offset table (8 per sample, plus 8 per shard).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offsets_bytes: Option<i64>,
+    /// Samples left out (cut or malformed members; the Job's log names each).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problems: Option<i64>,
+    /// What went wrong, while Failed; or why no figures are known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 /// Decoder pods.

@@ -6,8 +6,9 @@ use std::net::{Ipv4Addr, SocketAddr};
 
 use kube::ResourceExt;
 use stoker_contract::{
-    DECODER_GRPC_PORT, DecodeArgs, LoaderCommand, RenderError, ResizeMode, S3Args, SHM_DIR,
-    SIDECAR_HEALTH_PORT, SidecarArgs, TransformArgs, decoder_discovery_selector, slot_bytes,
+    DECODER_GRPC_PORT, DecodeArgs, IndexArgs, LoaderCommand, RenderError, ResizeMode, S3Args,
+    SHM_DIR, SIDECAR_HEALTH_PORT, SidecarArgs, TransformArgs, decoder_discovery_selector,
+    slot_bytes,
 };
 
 use crate::api::DataPipeline;
@@ -121,6 +122,31 @@ pub fn sidecar_args(dp: &DataPipeline) -> Result<Vec<String>, RenderError> {
     sidecar(dp).map_err(RenderError::Parse)?.command_line()
 }
 
+/// Where a container's termination message goes (the pod's `terminationMessagePath` default).
+pub const TERMINATION_LOG: &str = "/dev/termination-log";
+
+/// `stoker-loader index` for a `webDataset` pipeline's index Job (`None` for other sources),
+/// with the pipeline's S3 settings.
+pub fn index(dp: &DataPipeline) -> Result<Option<IndexArgs>, clap::Error> {
+    let Some(wds) = &dp.spec.source.web_dataset else {
+        return Ok(None);
+    };
+    let defaults = IndexArgs::parse_flags(["--shards", &wds.shards, "--out", &wds.index])?;
+    Ok(Some(IndexArgs {
+        summary_file: Some(TERMINATION_LOG.into()),
+        s3: s3_args(dp, defaults.s3.clone()),
+        ..defaults
+    }))
+}
+
+/// The index Job's container args, `None` for sources without an index.
+pub fn index_args(dp: &DataPipeline) -> Result<Option<Vec<String>>, RenderError> {
+    index(dp)
+        .map_err(RenderError::Parse)?
+        .map(|args| args.command_line())
+        .transpose()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +176,10 @@ mod tests {
             let decode = decode(&dp).expect("builds");
             let line = decode.command_line().expect("renders");
             assert_eq!(DecodeArgs::parse_flags(&line[1..]).expect("parses"), decode);
+            if let Some(index) = index(&dp).expect("builds") {
+                let line = index.command_line().expect("renders");
+                assert_eq!(IndexArgs::parse_flags(&line[1..]).expect("parses"), index);
+            }
         }
     }
 

@@ -4,6 +4,7 @@
 //! touches the network.
 
 pub mod decoder_pod;
+pub mod index_job;
 pub mod loader_args;
 pub mod network_policy;
 pub mod service;

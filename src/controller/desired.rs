@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
@@ -14,7 +15,7 @@ use stoker_contract::RenderError;
 use super::fleet;
 use crate::api::DataPipeline;
 use crate::autoscale::ScaleDecision;
-use crate::build::{BuildDefaults, decoder_pod, network_policy, service, sidecar_rbac};
+use crate::build::{BuildDefaults, decoder_pod, index_job, network_policy, service, sidecar_rbac};
 
 /// The pipeline's pods, as the controller's caches (and its own recent writes) show them.
 #[derive(Clone, Debug, Default)]
@@ -48,6 +49,8 @@ pub struct Desired {
     pub sidecar_token: Secret,
     /// The decoders' ServiceAccount, unless the pipeline names its own.
     pub decoder_service_account: Option<ServiceAccount>,
+    /// The Job that builds a `webDataset` source's index (see [`index_job`]).
+    pub index_job: Option<Job>,
     pub decoders: DecoderChanges,
 }
 
@@ -92,6 +95,7 @@ pub fn desired(
         sidecar_service_account: sidecar_rbac::sidecar_service_account(dp),
         sidecar_token: sidecar_rbac::sidecar_token_secret(dp),
         decoder_service_account: sidecar_rbac::decoder_service_account_object(dp),
+        index_job: index_job::index_job(dp, defaults)?,
         decoders: decoder_changes(dp, observed, scale, defaults, now)?,
     })
 }

@@ -8,6 +8,7 @@ pub mod desired;
 mod error;
 pub mod expectations;
 pub mod fleet;
+pub mod index;
 pub mod local_share;
 pub mod reconcile;
 pub mod retry;
@@ -20,6 +21,7 @@ use std::time::{Duration, Instant};
 
 pub use error::Error;
 use futures::StreamExt;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
@@ -80,6 +82,7 @@ pub struct ChildStores {
     pub roles: Store<Role>,
     pub role_bindings: Store<RoleBinding>,
     pub service_accounts: Store<ServiceAccount>,
+    pub jobs: Store<Job>,
 }
 
 impl ChildStores {
@@ -221,6 +224,7 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         cached(scoped::<RoleBinding>(&client, ns), &managed);
     let (service_accounts, service_account_changes) =
         cached(scoped::<ServiceAccount>(&client, ns), &managed);
+    let (jobs, job_changes) = cached(scoped::<Job>(&client, ns), &managed);
     // A sidecar's SourceUnavailable Event on a pipeline: reconcile it, so the condition shows.
     let outage_events = watcher::Config::default().fields(&format!(
         "involvedObject.kind=DataPipeline,reason={}",
@@ -238,6 +242,7 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         roles,
         role_bindings,
         service_accounts,
+        jobs,
     }));
     // A new snapshot of a pipeline's autoscaler signals: decide on it now.
     let signal_reads = match &ctx.autoscaler {
@@ -256,6 +261,7 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     .owns_stream(role_changes)
     .owns_stream(role_binding_changes)
     .owns_stream(service_account_changes)
+    .owns_stream(job_changes)
     // Trainer pods are not owned, but their count and injection show in the status.
     .watches_stream(trainer_changes, |pod: Pod| {
         let ns = pod.namespace()?;

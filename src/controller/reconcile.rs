@@ -15,7 +15,8 @@ use kube::{Resource, ResourceExt};
 use super::desired::{DecoderChanges, Desired, Observed, Scale, desired};
 use super::status::SOURCE_UNAVAILABLE;
 use super::{
-    ChildStores, Context, Error, FIELD_MANAGER, apply, certs, fleet, status, trainers, validate,
+    ChildStores, Context, Error, FIELD_MANAGER, apply, certs, fleet, index, status, trainers,
+    validate,
 };
 use crate::api::v1alpha1::{AutoscalingMode, DataPipelineStatus};
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
@@ -99,6 +100,10 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     apply::apply_desired(ctx, &key, &desired, now).await?;
     report(ctx, dp, &key, &desired.decoders, &scale).await;
     let mut status = settled_status(dp, &observed, &desired, &scale, now);
+    if let Some(job) = &desired.index_job {
+        let observed_index = index::observe(ctx, dp, job).await?;
+        index::report(dp, &mut status, observed_index, now);
+    }
     autoscaler_degraded(ctx, dp, &mut status, now).await;
     write_status(ctx, dp, &key, &status).await?;
     Ok(next_look(ctx, dp, &observed, &desired))

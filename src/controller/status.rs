@@ -195,6 +195,10 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
             .map(|d| d.observed_signals())
             .or(previous.observed),
         last_scale,
+        // The reconcile reports the index (see `super::index`); kept while the source has one.
+        index: previous
+            .index
+            .filter(|_| dp.spec.source.web_dataset.is_some()),
     }
 }
 
