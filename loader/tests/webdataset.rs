@@ -514,3 +514,86 @@ fn epoch_keys(trainer: &mut TrainerClient, epoch: u64, per: usize) -> Vec<String
         }
     }
 }
+
+/// A measurement, not a check (run it by hand): `STOKER_WDS_SAMPLES=1000000 cargo test
+/// --release -p stoker-loader --test webdataset -- --ignored --nocapture first_batch_at_scale`.
+/// Writes the shards (10,000 samples each), times the `index` process and the index's size,
+/// then starts a real sidecar over the index and times a trainer's first batch from its
+/// `connect`, and reports the sidecar's RSS.
+#[test]
+#[ignore = "a measurement of minutes: run by hand"]
+fn first_batch_at_scale() {
+    let samples: usize = std::env::var("STOKER_WDS_SAMPLES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1_000_000);
+    let per = 10_000usize;
+    let shards = samples.div_ceil(per);
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path()).unwrap();
+    server.create_bucket(INDEX_BUCKET).unwrap();
+    let data = server.root().join(BUCKET).join("big");
+    std::fs::create_dir_all(&data).unwrap();
+    let t = std::time::Instant::now();
+    let out = Command::new(python())
+        .args(["-c", WRITE_MANY_SHARDS])
+        .arg(&data)
+        .args([shards.to_string(), per.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!(
+        "wrote {} samples in {shards} shards in {:.1} s",
+        shards * per,
+        t.elapsed().as_secs_f64()
+    );
+
+    let summary = index_process(
+        &server,
+        &format!("s3://{BUCKET}/big/{{00000..{:05}}}.tar", shards - 1),
+        &format!("s3://{INDEX_BUCKET}/big/"),
+    );
+    let index_dir = server.root().join(INDEX_BUCKET).join("big");
+    let size = |name: &str| {
+        std::fs::metadata(index_dir.join(name))
+            .map(|m| m.len())
+            .unwrap_or(0)
+    };
+    eprintln!(
+        "index: {summary}; index.json {} bytes, offsets.bin {} bytes",
+        size("index.json"),
+        size("offsets.bin")
+    );
+
+    let worker = decode_worker(&server);
+    let rank = sidecar(
+        &server,
+        dir.path(),
+        &[&worker],
+        &[
+            "--index",
+            "s3://index/big/",
+            "--batch-size",
+            "32",
+            "--world-size",
+            "8",
+            "--rank",
+            "3",
+        ],
+    );
+    let t = std::time::Instant::now();
+    let mut trainer = rank.connect();
+    match trainer.next(std::time::Duration::from_secs(120)).unwrap() {
+        Reply::Batch(b) => assert_eq!(b.samples.len(), 32),
+        other => panic!("unexpected reply {other:?}"),
+    }
+    eprintln!(
+        "first batch {:.0} ms after connect; sidecar RSS {} KiB",
+        t.elapsed().as_secs_f64() * 1e3,
+        sidecar_support::rss_kib(rank.proc.pid())
+    );
+}
