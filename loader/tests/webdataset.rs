@@ -515,11 +515,11 @@ fn epoch_keys(trainer: &mut TrainerClient, epoch: u64, per: usize) -> Vec<String
     }
 }
 
-/// A measurement, not a check (run it by hand): `STOKER_WDS_SAMPLES=1000000 cargo test
-/// --release -p stoker-loader --test webdataset -- --ignored --nocapture first_batch_at_scale`.
-/// Writes the shards (10,000 samples each), times the `index` process and the index's size,
-/// then starts a real sidecar over the index and times a trainer's first batch from its
-/// `connect`, and reports the sidecar's RSS.
+/// A measurement, not a check (run it by hand):
+/// `STOKER_WDS_SAMPLES=1000000 cargo test -p stoker-loader --test webdataset -- --ignored
+/// --nocapture first_batch_at_scale`. Writes the shards (10,000 samples each), times the
+/// `index` process and the index's size, then starts a real sidecar over the index and times a
+/// trainer's first batch from its `connect`, and reports the sidecar's RSS.
 #[test]
 #[ignore = "a measurement of minutes: run by hand"]
 fn first_batch_at_scale() {
@@ -570,6 +570,7 @@ fn first_batch_at_scale() {
     );
 
     let worker = decode_worker(&server);
+    let t = std::time::Instant::now();
     let rank = sidecar(
         &server,
         dir.path(),
@@ -584,6 +585,10 @@ fn first_batch_at_scale() {
             "--rank",
             "3",
         ],
+    );
+    eprintln!(
+        "sidecar serving {:.0} ms after start (index loaded)",
+        t.elapsed().as_secs_f64() * 1e3
     );
     let t = std::time::Instant::now();
     let mut trainer = rank.connect();
