@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, EnvVar, HTTPGetAction, Pod,
-    PodSecurityContext, PodSpec, Probe, ResourceRequirements, SecretEnvSource, SecretVolumeSource,
+    PodSpec, Probe, ResourceRequirements, SecretEnvSource, SecretVolumeSource,
     TopologySpreadConstraint, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -15,10 +15,7 @@ use kube::ResourceExt;
 use kube_quantity::ParsedQuantity;
 use sha2::{Digest, Sha256};
 
-use super::{
-    BuildDefaults, child_meta, decoder_selector_labels, restricted_security_context,
-    runtime_default_seccomp,
-};
+use super::{BuildDefaults, child_meta, decoder_selector_labels, restricted_security_context};
 use crate::api::{DataPipeline, LABEL_DRAINING, LABEL_ROLE, LABEL_TEMPLATE_HASH, ROLE_DECODER};
 use stoker_contract::{
     DECODER_GRPC_PORT, DECODER_METRICS_PORT, RenderError, ResizeMode, TLS_DIR, TlsArgs,
@@ -274,13 +271,7 @@ pub fn decoder_pod_spec(
         enable_service_links: Some(false),
         restart_policy: Some("Always".to_string()),
         termination_grace_period_seconds: Some(30),
-        security_context: Some(PodSecurityContext {
-            run_as_non_root: Some(true),
-            run_as_user: Some(65532),
-            run_as_group: Some(65532),
-            seccomp_profile: Some(runtime_default_seccomp()),
-            ..PodSecurityContext::default()
-        }),
+        security_context: Some(super::loader_pod_security()),
         volumes: Some(vec![
             Volume {
                 name: "tmp".to_string(),

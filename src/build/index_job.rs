@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    Container, EmptyDirVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
-    ResourceRequirements, Volume, VolumeMount,
+    Container, EmptyDirVolumeSource, PodSpec, PodTemplateSpec, ResourceRequirements, Volume,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -18,9 +18,7 @@ use stoker_contract::RenderError;
 
 use super::decoder_pod::{credentials_env_from, instance_metadata_env};
 use super::loader_args::{TERMINATION_LOG, index_args};
-use super::{
-    BuildDefaults, LOADER_COMMAND, child_meta, restricted_security_context, runtime_default_seccomp,
-};
+use super::{BuildDefaults, LOADER_COMMAND, child_meta, restricted_security_context};
 use crate::api::DataPipeline;
 use crate::api::v1alpha1::WebDataset;
 
@@ -99,13 +97,7 @@ pub fn index_job(dp: &DataPipeline, defaults: &BuildDefaults) -> Result<Option<J
                     service_account_name: Some(super::sidecar_rbac::decoder_service_account(dp)),
                     automount_service_account_token: Some(false),
                     enable_service_links: Some(false),
-                    security_context: Some(PodSecurityContext {
-                        run_as_non_root: Some(true),
-                        run_as_user: Some(65532),
-                        run_as_group: Some(65532),
-                        seccomp_profile: Some(runtime_default_seccomp()),
-                        ..PodSecurityContext::default()
-                    }),
+                    security_context: Some(super::loader_pod_security()),
                     volumes: Some(vec![Volume {
                         name: "tmp".to_string(),
                         empty_dir: Some(EmptyDirVolumeSource::default()),

@@ -14,7 +14,7 @@ pub mod sidecar_rbac;
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, ResourceRequirements, SeccompProfile, SecurityContext,
+    Capabilities, PodSecurityContext, ResourceRequirements, SeccompProfile, SecurityContext,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
@@ -121,6 +121,18 @@ pub fn restricted_security_context() -> SecurityContext {
         }),
         seccomp_profile: Some(runtime_default_seccomp()),
         ..SecurityContext::default()
+    }
+}
+
+/// The pod security context of the operator's loader pods (decoders, index Jobs): the image's
+/// nonroot user 65532, RuntimeDefault seccomp.
+pub fn loader_pod_security() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(65532),
+        run_as_group: Some(65532),
+        seccomp_profile: Some(runtime_default_seccomp()),
+        ..PodSecurityContext::default()
     }
 }
 
