@@ -31,14 +31,19 @@ class S3ImageDataset(torch.utils.data.Dataset):
                 config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 10}),
             )
         body = self.s3.get_object(Bucket=self.bucket, Key=self.keys[i])["Body"].read()
-        img = Image.open(io.BytesIO(body)).convert("RGB")
-        w, h = img.size
-        s = self.size / min(w, h)
-        nw, nh = max(self.size, round(w * s)), max(self.size, round(h * s))
-        img = img.resize((nw, nh), Image.BILINEAR)
-        left, top = (nw - self.size) // 2, (nh - self.size) // 2
-        img = img.crop((left, top, left + self.size, top + self.size))
-        return torch.from_numpy(np.asarray(img).copy())
+        return crop_tensor(Image.open(io.BytesIO(body)), self.size)
+
+
+def crop_tensor(img, size):
+    """Shorter side to `size` (bilinear), then the centre `size` x `size`, as uint8 HWC."""
+    img = img.convert("RGB")
+    w, h = img.size
+    s = size / min(w, h)
+    nw, nh = max(size, round(w * s)), max(size, round(h * s))
+    img = img.resize((nw, nh), Image.BILINEAR)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    img = img.crop((left, top, left + size, top + size))
+    return torch.from_numpy(np.asarray(img).copy())
 
 
 def list_keys(endpoint, bucket, prefix):

@@ -436,6 +436,7 @@ async fn invalid_pipelines_are_refused_with_a_message_naming_the_field() {
         include_str!("../examples/objects.yaml"),
         include_str!("../examples/manifest.yaml"),
         include_str!("../examples/webdataset.yaml"),
+        include_str!("../examples/parquet.yaml"),
     ] {
         let obj: Value = serde_yaml::from_str(example).expect("example parses");
         create_strict(&ns.client, &ns.name, &obj)

@@ -347,16 +347,35 @@ impl SidecarArgs {
     }
 }
 
-/// `stoker-loader index`: reads WebDataset shards once and writes the dataset index that
-/// sidecars plan over (the operator runs it as a Job for a `webDataset` source).
+/// `stoker-loader index`: reads WebDataset shards or Parquet files once and writes the dataset
+/// index that sidecars plan over (the operator runs it as a Job for a `webDataset` or `parquet`
+/// source).
 #[derive(clap::Args, Serialize, Deserialize, Clone, Debug, PartialEq)]
+// One of --shards and --parquet: the loader says so when neither is given (a required group
+// would also bind the rendering's parse of the required flags alone).
+#[command(group = clap::ArgGroup::new("dataset").args(["shards", "parquet"]))]
 pub struct IndexArgs {
     /// WebDataset shards: `s3://bucket/laion/{00000..04095}.tar`, or `s3://bucket/prefix/` for
     /// every `.tar` under the prefix.
     #[arg(long)]
-    pub shards: String,
-    /// Where `index.json` and `offsets.bin` go: `s3://bucket/prefix/` (a location apart from the
-    /// data, so the data's credentials can stay read-only) or a directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<String>,
+    /// Parquet files: `s3://bucket/data/train-{00000..00099}.parquet`, or `s3://bucket/prefix/`
+    /// for every `.parquet` under the prefix.
+    #[arg(long)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parquet: Option<String>,
+    /// Parquet: the column of image bytes (binary, or a struct with a `bytes` field as
+    /// Hugging Face datasets write it).
+    #[arg(long, default_value = "image")]
+    pub image_column: String,
+    /// Parquet: columns carried with each sample as its metadata (caption, label, ...).
+    #[arg(long, value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub columns: Vec<String>,
+    /// Where `index.json` and the per-shard tables (`offsets.bin` or `parquet.jsonl`) go:
+    /// `s3://bucket/prefix/` (a location apart from the data, so the data's credentials can
+    /// stay read-only) or a directory.
     #[arg(long)]
     pub out: String,
     /// Shards read at once.

@@ -112,13 +112,34 @@ fn sidecar_arguments_parse_back_to_the_same_values() {
 #[test]
 fn index_arguments_parse_back_to_the_same_values() {
     let index = IndexArgs {
-        shards: "s3://laion/shards/{00000..04095}.tar".into(),
+        shards: Some("s3://laion/shards/{00000..04095}.tar".into()),
+        parquet: None,
+        image_column: "image".into(),
+        columns: Vec::new(),
         out: "s3://laion-index/v1/".into(),
         parallel: 3,
         summary_file: Some(PathBuf::from("/dev/termination-log")),
         s3: s3(),
     };
     assert_eq!(parse_back(&index), index);
+    let parquet = IndexArgs {
+        shards: None,
+        parquet: Some("s3://captions/train/{00000..00099}.parquet".into()),
+        image_column: "jpeg".into(),
+        columns: vec!["caption".into(), "label".into()],
+        ..index
+    };
+    assert_eq!(parse_back(&parquet), parquet);
+    // One dataset per index: both kinds at once is refused.
+    let both = [
+        "--shards",
+        "s3://a/{0..1}.tar",
+        "--parquet",
+        "s3://a/0.parquet",
+        "--out",
+        "s3://i/",
+    ];
+    assert!(IndexArgs::parse_flags(both).is_err());
 }
 
 #[test]

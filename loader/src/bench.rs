@@ -1,12 +1,15 @@
-//! `stoker-loader bench`: lists a dataset and sends it through decode workers as batches, with a
-//! fixed number of batches in flight, and reports images/s. A bench command, not a test.
+//! `stoker-loader bench`: lists a dataset (or plans it over its dataset index: WebDataset shards,
+//! Parquet files) and sends it through decode workers as batches, with a fixed number of batches
+//! in flight, and reports images/s. A bench command, not a test.
 
 use std::time::Instant;
 
 use clap::Args;
 use futures::StreamExt;
+use stoker_loader::index::ShardTable;
 use stoker_loader::proto;
-use stoker_loader::source::S3Source;
+use stoker_loader::sidecar::plan::{Cursor, PlanConfig, Shard};
+use stoker_loader::source::{ManifestLocation, S3Source, SampleRef};
 use stoker_loader::worker::{DecodeClient, transform_to_proto};
 
 use crate::{DatasetArgs, s3_config, transform};
@@ -30,31 +33,68 @@ pub struct BenchArgs {
     warmup: usize,
     #[arg(long)]
     json: bool,
+    /// A dataset index (`stoker-loader index --out`) to plan over instead of listing: batches
+    /// as one rank's sidecar would ask for them, with the shard-aware shuffle.
+    #[arg(long)]
+    index: Option<String>,
+    /// Samples in the shard-aware shuffle's window (with --index).
+    #[arg(long, default_value_t = stoker_contract::DEFAULT_SHUFFLE_WINDOW)]
+    shuffle_window: usize,
+}
+
+/// Every epoch's batches: the listing in order, or the index's shard-aware plan (resolved to
+/// byte ranges here, before the clock starts: that is the sidecar's work, not the decoder's).
+async fn planned_batches(
+    args: &BenchArgs,
+    source: &S3Source,
+) -> anyhow::Result<(String, Vec<Vec<SampleRef>>)> {
+    let data = &args.dataset;
+    let batch_size = args.batch_size.max(1);
+    let mut batches = Vec::new();
+    let Some(index) = &args.index else {
+        let keys = source.list(&data.bucket, &data.prefix, 1000).await?;
+        anyhow::ensure!(
+            !keys.is_empty(),
+            "no objects under s3://{}/{}",
+            data.bucket,
+            data.prefix
+        );
+        for _ in 0..args.epochs.max(1) {
+            batches.extend(keys.chunks(batch_size).map(<[SampleRef]>::to_vec));
+        }
+        return Ok((data.bucket.clone(), batches));
+    };
+    let table = ShardTable::load(source, ManifestLocation::parse(index)).await?;
+    let plan = PlanConfig {
+        seed: 0,
+        batch_size,
+        drop_last: false,
+        shuffle: true,
+        shard: Shard {
+            rank: 0,
+            world_size: 1,
+        },
+    };
+    for epoch in 0..args.epochs.max(1) as u64 {
+        let from = Cursor { epoch, position: 0 };
+        for b in plan.shard_plan_from(&table.counts, args.shuffle_window, from) {
+            batches.push(table.sample_refs(source, &b.samples).await?);
+        }
+    }
+    Ok((table.bucket.clone(), batches))
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let data = &args.dataset;
     let metrics = std::sync::Arc::new(stoker_loader::metrics::LoaderMetrics::new());
     let source = S3Source::connect(&s3_config(&data.s3), metrics).await;
-    let keys = source.list(&data.bucket, &data.prefix, 1000).await?;
-    anyhow::ensure!(
-        !keys.is_empty(),
-        "no objects under s3://{}/{}",
-        data.bucket,
-        data.prefix
-    );
+    let (bucket, mut batches) = planned_batches(&args, &source).await?;
     let transform = transform_to_proto(&transform(&data.transform)?);
     let client = DecodeClient::connect(args.worker.clone()).await?;
-    let mut batches = Vec::new();
-    for _ in 0..args.epochs.max(1) {
-        for chunk in keys.chunks(args.batch_size.max(1)) {
-            batches.push(chunk.to_vec());
-        }
-    }
     let warmup = args.warmup.min(batches.len().saturating_sub(1));
-    let run_batches = |list: Vec<Vec<stoker_loader::source::SampleRef>>| {
+    let run_batches = |list: Vec<Vec<SampleRef>>| {
         let client = client.clone();
-        let bucket = data.bucket.clone();
+        let bucket = bucket.clone();
         let transform = transform.clone();
         futures::stream::iter(list.into_iter().enumerate())
             .map(move |(i, samples)| {
@@ -62,14 +102,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let req = proto::DecodeBatchRequest {
                     batch_id: i as u64,
                     bucket: bucket.clone(),
-                    samples: samples
-                        .into_iter()
-                        .map(|s| proto::SampleRef {
-                            key: s.key,
-                            metadata: s.metadata,
-                            ..Default::default()
-                        })
-                        .collect(),
+                    samples: samples.iter().map(proto::SampleRef::from).collect(),
                     transform: Some(transform.clone()),
                 };
                 async move {

@@ -1,6 +1,6 @@
 //! `stoker-loader`: `decode` (the gRPC decode worker), `profile` (timing breakdown on a sample
 //! of a dataset), `bench` (drives decode workers with real batches and reports images/s) and
-//! `index` (the dataset index of WebDataset shards).
+//! `index` (the dataset index of WebDataset shards or Parquet files).
 
 mod bench;
 
@@ -31,8 +31,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Next to the trainer: epoch order, prefetch across decode workers, shared-memory hand-off.
     Sidecar(Box<SidecarArgs>),
-    /// Read WebDataset shards once and write the dataset index (per shard: sample count and
-    /// where each sample starts) that sidecars read instead of listing.
+    /// Read WebDataset shards or Parquet files once and write the dataset index (per shard:
+    /// sample count and where each sample lies) that sidecars read instead of listing.
     Index(IndexArgs),
 }
 
@@ -74,6 +74,11 @@ struct ProfileArgs {
     /// JSONL manifest, s3://bucket/key or a local path, instead of listing.
     #[arg(long)]
     manifest: Option<String>,
+    /// A dataset index (`stoker-loader index --out`: WebDataset shards, Parquet files) instead
+    /// of listing: samples are fetched in planned batches with coalesced range GETs, and the
+    /// GET rows show what the shard size costs.
+    #[arg(long, conflicts_with = "manifest")]
+    index: Option<String>,
     /// Objects to sample.
     #[arg(long, default_value_t = 200)]
     sample: usize,
@@ -173,8 +178,21 @@ async fn index(args: IndexArgs) -> anyhow::Result<()> {
     let t0 = std::time::Instant::now();
     let metrics = std::sync::Arc::new(stoker_loader::metrics::LoaderMetrics::new());
     let source = S3Source::connect(&s3_config(&args.s3), metrics).await;
-    let (bucket, keys) = index::resolve_shards(&source, &args.shards).await?;
-    let (built, offsets) = index::build_webdataset(&source, &bucket, &keys, args.parallel).await?;
+    let (built, offsets) = match (&args.shards, &args.parquet) {
+        (Some(shards), None) => {
+            let (bucket, keys) = index::resolve_shards(&source, shards, ".tar").await?;
+            index::build_webdataset(&source, &bucket, &keys, args.parallel).await?
+        }
+        (None, Some(files)) => {
+            let (bucket, keys) = index::resolve_shards(&source, files, ".parquet").await?;
+            let columns = index::parquet::ParquetColumns {
+                image: args.image_column.clone(),
+                fields: args.columns.clone(),
+            };
+            index::build_parquet(&source, &bucket, &keys, &columns, args.parallel).await?
+        }
+        _ => anyhow::bail!("name the dataset: --shards (WebDataset) or --parquet (Parquet files)"),
+    };
     for p in &built.problems {
         tracing::warn!(key = %p.key, offset = p.offset, reason = %p.reason, "left out of the index");
     }
@@ -208,11 +226,12 @@ async fn profile(args: ProfileArgs) -> anyhow::Result<()> {
         transform: transform_args,
         s3,
     } = args.dataset;
-    let source = S3Source::connect(&s3_config(&s3), metrics).await;
+    let source = S3Source::connect(&s3_config(&s3), metrics.clone()).await;
     let cfg = ProfileConfig {
         bucket,
         prefix,
         manifest: args.manifest,
+        index: args.index,
         sample: args.sample,
         transform: transform(&transform_args)?,
         target_rate: args.target_rate,
@@ -220,7 +239,7 @@ async fn profile(args: ProfileArgs) -> anyhow::Result<()> {
         seed: args.seed,
         limits: DecodeLimits::default(),
     };
-    let report = run_profile(&source, &cfg).await?;
+    let report = run_profile(&source, &metrics, &cfg).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -1,5 +1,8 @@
 //! `stoker-loader profile`: the real path on a sample of the user's data, timed per stage, with
-//! images/s per core and the cores needed for a target rate.
+//! images/s per core and the cores needed for a target rate. Over a dataset index (WebDataset
+//! shards, Parquet files) the sample is fetched as a decode worker fetches batches (coalesced
+//! range GETs), and the GET rows say what a shard size costs: requests and bytes per image, the
+//! size of a GET and the throughput of one.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -9,7 +12,10 @@ use serde::Serialize;
 
 use crate::batch::{EncodedSample, PixelPool, decode_batch_pooled};
 use crate::decode::DecodeLimits;
-use crate::source::{ManifestLocation, S3Source, SampleRef, SourceError};
+use crate::index::{IndexError, ShardTable};
+use crate::metrics::LoaderMetrics;
+use crate::sidecar::plan::{Cursor, PlanConfig, Shard};
+use crate::source::{CoalescePolicy, ManifestLocation, S3Source, SampleRef, fetch_samples};
 use crate::transform::Transform;
 
 #[derive(Debug, Clone)]
@@ -18,6 +24,9 @@ pub struct ProfileConfig {
     pub prefix: String,
     /// JSONL manifest (`s3://...` or a path) instead of listing.
     pub manifest: Option<String>,
+    /// A dataset index (`stoker-loader index --out`) instead of listing: the sample is drawn
+    /// in batches of 32 as a sidecar plans them, and fetched with coalesced range GETs.
+    pub index: Option<String>,
     /// Objects to sample.
     pub sample: usize,
     pub transform: Transform,
@@ -41,6 +50,16 @@ pub struct ProfileReport {
     pub get_p90_ms: f64,
     pub get_mb_per_s: f64,
     pub get_concurrency: usize,
+    /// GET requests per sampled image: 1 for objects, fewer when a range GET carries several
+    /// samples of a shard.
+    pub get_requests_per_image: f64,
+    /// Mean bytes one GET returned.
+    pub get_bytes_per_request: f64,
+    /// Bytes read per sampled image: above the encoded size when a GET reads more than the
+    /// sample (gaps between coalesced samples, a Parquet page's other rows).
+    pub get_bytes_per_image: f64,
+    /// Throughput of one GET: its bytes over its own latency, averaged over the bytes.
+    pub get_mb_per_s_per_request: f64,
     /// CPU of the whole process while fetching (request signing, HTTP, body copies), per
     /// sampled object.
     pub get_cpu_ms_per_image: f64,
@@ -87,11 +106,56 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1000.0
 }
 
-pub async fn run_profile(
+/// GET totals from the source's metrics: requests, bytes, and seconds spent in them.
+fn get_totals(metrics: &LoaderMetrics) -> (f64, f64, f64) {
+    let text = metrics.encode();
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        value("stoker_loader_s3_requests_total{op=\"get_object\"}"),
+        value("stoker_loader_bytes_in_total"),
+        value("stoker_loader_stage_seconds_sum{stage=\"get\"}"),
+    )
+}
+
+/// The sample, as samples a worker would be asked for: how many the source holds, how long
+/// finding them took, and the picked ones (in batches: one for a listing, whose samples are
+/// fetched one GET each; batches of 32 from the shard plan for an index).
+async fn pick(
     source: &S3Source,
     cfg: &ProfileConfig,
-) -> Result<ProfileReport, SourceError> {
+) -> Result<(usize, f64, String, Vec<Vec<SampleRef>>), IndexError> {
     let t_list = Instant::now();
+    if let Some(index) = &cfg.index {
+        let table = ShardTable::load(source, ManifestLocation::parse(index)).await?;
+        let plan = PlanConfig {
+            seed: cfg.seed,
+            batch_size: 32,
+            drop_last: false,
+            shuffle: true,
+            shard: Shard {
+                rank: 0,
+                world_size: 1,
+            },
+        };
+        let window = stoker_contract::DEFAULT_SHUFFLE_WINDOW;
+        let mut batches = Vec::new();
+        let mut picked = 0;
+        for b in plan.shard_plan_from(&table.counts, window, Cursor::default()) {
+            if picked >= cfg.sample.max(1) {
+                break;
+            }
+            let mut refs = table.sample_refs(source, &b.samples).await?;
+            refs.truncate(cfg.sample.max(1) - picked);
+            picked += refs.len();
+            batches.push(refs);
+        }
+        let total = table.counts.iter().map(|&c| c as usize).sum();
+        return Ok((total, t_list.elapsed().as_secs_f64(), table.bucket, batches));
+    }
     let all: Vec<SampleRef> = match &cfg.manifest {
         Some(m) => source.load_manifest(&ManifestLocation::parse(m)).await?,
         None => source.list(&cfg.bucket, &cfg.prefix, 1000).await?,
@@ -101,38 +165,52 @@ pub async fn run_profile(
     let mut picked = all.clone();
     rng.shuffle(&mut picked);
     picked.truncate(cfg.sample.max(1));
+    Ok((all.len(), list_seconds, cfg.bucket.clone(), vec![picked]))
+}
 
-    // GETs at the configured concurrency, each timed.
+pub async fn run_profile(
+    source: &S3Source,
+    metrics: &LoaderMetrics,
+    cfg: &ProfileConfig,
+) -> Result<ProfileReport, IndexError> {
+    let (listed, list_seconds, bucket, batches) = pick(source, cfg).await?;
+    let indexed = cfg.index.is_some();
+    let bucket = bucket.as_str();
+
+    // GETs at the configured concurrency, each timed: one per object, or one batch's coalesced
+    // range GETs (then the latency is the batch's).
+    let (requests0, bytes0, seconds0) = get_totals(metrics);
     let t_get = Instant::now();
     let c_get = crate::batch::process_cpu_time();
-    let fetched: Vec<(EncodedSample, Duration)> = futures::stream::iter(picked)
-        .map(|s| async move {
+    let units: Vec<Vec<SampleRef>> = match indexed {
+        true => batches,
+        false => batches.into_iter().flatten().map(|s| vec![s]).collect(),
+    };
+    let in_flight = match indexed {
+        true => cfg.concurrency.div_ceil(8).max(1),
+        false => cfg.concurrency.max(1),
+    };
+    let fetched: Vec<(Vec<EncodedSample>, Duration)> = futures::stream::iter(units)
+        .map(|refs| async move {
             let t0 = Instant::now();
-            let data = source
-                .get(&cfg.bucket, &s.key)
-                .await
-                .map_err(|e| e.skip_reason());
-            (
-                EncodedSample {
-                    key: s.key,
-                    metadata: s.metadata,
-                    data,
-                },
-                t0.elapsed(),
-            )
+            let got = fetch_samples(Some(source), bucket, &refs, CoalescePolicy::default()).await;
+            (got, t0.elapsed())
         })
-        .buffer_unordered(cfg.concurrency.max(1))
+        .buffer_unordered(in_flight)
         .collect()
         .await;
     let get_wall = t_get.elapsed();
     let get_cpu = crate::batch::process_cpu_time().saturating_sub(c_get);
+    let (requests1, bytes1, seconds1) = get_totals(metrics);
+    let (requests, read, get_seconds) =
+        (requests1 - requests0, bytes1 - bytes0, seconds1 - seconds0);
     let mut lat: Vec<Duration> = fetched.iter().map(|(_, d)| *d).collect();
     lat.sort();
-    let encoded_total: usize = fetched
+    let samples: Vec<EncodedSample> = fetched.into_iter().flat_map(|(s, _)| s).collect();
+    let encoded_total: usize = samples
         .iter()
-        .map(|(s, _)| s.data.as_ref().map_or(0, |b| b.len()))
+        .map(|s| s.data.as_ref().map_or(0, |b| b.len()))
         .sum();
-    let samples: Vec<EncodedSample> = fetched.into_iter().map(|(s, _)| s).collect();
     let sampled = samples.len();
 
     // CPU stages on one thread, so per-image times are per core.
@@ -201,9 +279,10 @@ pub async fn run_profile(
     let get_ms = get_cpu.as_secs_f64() * 1000.0 / sampled.max(1) as f64;
     let reply_ms = reply.as_secs_f64() * 1000.0 / n;
     let all_ms = get_ms + cpu_secs * 1000.0 / n + reply_ms;
+    let per_sample = |x: f64| x / sampled.max(1) as f64;
     Ok(ProfileReport {
         transform: transform.name().to_string(),
-        listed_objects: all.len(),
+        listed_objects: listed,
         list_seconds,
         sampled,
         decoded,
@@ -212,6 +291,14 @@ pub async fn run_profile(
         get_p90_ms: percentile(&lat, 0.9),
         get_mb_per_s: encoded_total as f64 / 1e6 / get_wall.as_secs_f64().max(1e-9),
         get_concurrency: cfg.concurrency,
+        get_requests_per_image: per_sample(requests),
+        get_bytes_per_request: read / requests.max(1.0),
+        get_bytes_per_image: per_sample(read),
+        get_mb_per_s_per_request: if get_seconds > 0.0 {
+            read / 1e6 / get_seconds
+        } else {
+            0.0
+        },
         get_cpu_ms_per_image: get_ms,
         decode_ms_per_image: decode.as_secs_f64() * 1000.0 / n,
         resize_ms_per_image: resize.as_secs_f64() * 1000.0 / n,
@@ -260,6 +347,26 @@ impl ProfileReport {
                     "{:.1} MB/s at {} in flight",
                     self.get_mb_per_s, self.get_concurrency
                 ),
+            ),
+            (
+                "GET requests per image".into(),
+                format!("{:.3}", self.get_requests_per_image),
+            ),
+            (
+                "GET size".into(),
+                format!("{:.1} KB", self.get_bytes_per_request / 1e3),
+            ),
+            (
+                "GET bytes per image".into(),
+                format!(
+                    "{:.1} KB ({:.2}x the image)",
+                    self.get_bytes_per_image / 1e3,
+                    self.get_bytes_per_image / self.encoded_bytes_per_image.max(1.0)
+                ),
+            ),
+            (
+                "throughput per GET".into(),
+                format!("{:.1} MB/s", self.get_mb_per_s_per_request),
             ),
             (
                 "CPU per image: get".into(),

@@ -94,6 +94,10 @@ fn profile_table_has_every_stage() {
             "sampled / decoded",
             "GET latency p50 / p90",
             "GET throughput",
+            "GET requests per image",
+            "GET size",
+            "GET bytes per image",
+            "throughput per GET",
             "CPU per image: get",
             "CPU per image: decode",
             "CPU per image: resize",
@@ -125,6 +129,18 @@ fn profile_table_has_every_stage() {
 
     let (mbps, rest) = number(cell("GET throughput"));
     assert!(mbps > 0.0 && rest == " MB/s at 16 in flight", "{table}");
+
+    // One object per image: one GET each, of the image's own size.
+    assert_eq!(cell("GET requests per image"), "1.000", "{table}");
+    let (size, unit) = number(cell("GET size"));
+    assert!(size > 0.0 && unit == " KB", "{table}");
+    let (per_image, rest) = number(cell("GET bytes per image"));
+    assert!(
+        (per_image - size).abs() < 0.11 && rest == " KB (1.00x the image)",
+        "{table}"
+    );
+    let (one, unit) = number(cell("throughput per GET"));
+    assert!(one > 0.0 && unit == " MB/s", "{table}");
 
     let mut stages = 0.0;
     let mut outside = 0.0;
@@ -207,6 +223,10 @@ fn profile_json_has_every_field() {
         "get_p90_ms",
         "get_mb_per_s",
         "get_concurrency",
+        "get_requests_per_image",
+        "get_bytes_per_request",
+        "get_bytes_per_image",
+        "get_mb_per_s_per_request",
         "get_cpu_ms_per_image",
         "decode_ms_per_image",
         "resize_ms_per_image",
@@ -234,6 +254,10 @@ fn profile_json_has_every_field() {
     assert!(num("list_seconds") >= 0.0);
     assert!(num("get_p50_ms") > 0.0 && num("get_p90_ms") >= num("get_p50_ms"));
     assert!(num("get_mb_per_s") > 0.0);
+    assert_eq!(num("get_requests_per_image"), 1.0);
+    assert_eq!(num("get_bytes_per_image"), num("encoded_bytes_per_image"));
+    assert_eq!(num("get_bytes_per_request"), num("encoded_bytes_per_image"));
+    assert!(num("get_mb_per_s_per_request") > 0.0);
     let (get, decode, resize, pack, total, reply) = (
         num("get_cpu_ms_per_image"),
         num("decode_ms_per_image"),

@@ -11,11 +11,10 @@ use std::process::Command;
 use common::*;
 use sidecar_support::{decode_worker, sidecar};
 use stoker_loader::index::{ShardTable, build_webdataset, resolve_shards};
-use stoker_loader::proto;
 use stoker_loader::sidecar::client::TrainerClient;
-use stoker_loader::sidecar::plan::{Cursor, PlanConfig, Shard, ShardSample};
+use stoker_loader::sidecar::plan::{Cursor, PlanConfig, Shard};
 use stoker_loader::sidecar::protocol::Reply;
-use stoker_loader::source::{ManifestLocation, S3Source};
+use stoker_loader::source::ManifestLocation;
 use stoker_testenv::s3::S3Server;
 
 const INDEX_BUCKET: &str = "index";
@@ -37,27 +36,6 @@ for s in range(shards):
             w.write({"__key__": f"s{n:07d}", "jpg": buf.getvalue(), "txt": f"caption {n}", "cls": n % 10})
 "#;
 
-/// The test venv's python (scripts/python-env.sh installs webdataset and pyarrow there):
-/// `$STOKER_PYTHON`, as scripts/test.sh sets it, else the script's answer (which installs what
-/// is missing: tests running at once must not each reinstall, so CI sets the variable).
-fn python() -> std::path::PathBuf {
-    if let Some(python) = std::env::var_os("STOKER_PYTHON") {
-        return python.into();
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/python-env.sh");
-    let out = Command::new("bash")
-        .arg(script)
-        .output()
-        .expect("python-env.sh");
-    assert!(
-        out.status.success(),
-        "python-env.sh: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let venv = String::from_utf8(out.stdout).unwrap();
-    std::path::Path::new(venv.trim()).join("bin/python")
-}
-
 fn write_shards(server: &S3Server, prefix: &str, shards: usize, per: usize) {
     let dir = server.root().join(BUCKET).join(prefix);
     std::fs::create_dir_all(&dir).unwrap();
@@ -74,26 +52,6 @@ fn write_shards(server: &S3Server, prefix: &str, shards: usize, per: usize) {
     );
 }
 
-/// Runs `stoker-loader index` as its own process; returns its JSON summary line.
-fn index_process(server: &S3Server, shards: &str, out: &str) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
-        .args(["index", "--shards", shards, "--out", out])
-        .args(["--endpoint", &server.endpoint(), "--region", "us-east-1"])
-        .arg("--force-path-style")
-        .env("AWS_ACCESS_KEY_ID", server.access_key())
-        .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
-        .env("AWS_EC2_METADATA_DISABLED", "true")
-        .env_remove("AWS_PROFILE")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "index failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON line")
-}
-
 fn plan(rank: u32, world: u32, batch: usize) -> PlanConfig {
     PlanConfig {
         seed: 7,
@@ -107,51 +65,6 @@ fn plan(rank: u32, world: u32, batch: usize) -> PlanConfig {
     }
 }
 
-/// One decoded or skipped sample as the trainer sees it.
-#[derive(Debug, Clone)]
-struct Delivered {
-    shard_key: String,
-    metadata: serde_json::Value,
-    skip: String,
-    width: u32,
-}
-
-async fn decode(
-    worker: &mut TestWorker,
-    table: &ShardTable,
-    source: &S3Source,
-    samples: &[ShardSample],
-) -> Vec<Delivered> {
-    let refs = table.sample_refs(source, samples).await.unwrap();
-    let reply = worker
-        .client
-        .decode_batch(proto::DecodeBatchRequest {
-            batch_id: 1,
-            bucket: table.bucket.clone(),
-            samples: refs.iter().map(proto::SampleRef::from).collect(),
-            transform: Some(crop(16, 16)),
-        })
-        .await
-        .unwrap();
-    reply
-        .samples
-        .into_iter()
-        .map(|m| Delivered {
-            shard_key: m.key,
-            metadata: serde_json::from_str(&m.metadata).unwrap(),
-            skip: m.skip_reason,
-            width: m.width,
-        })
-        .collect()
-}
-
-fn get_requests(worker: &TestWorker) -> f64 {
-    metric(
-        &worker.state.metrics.encode(),
-        "stoker_loader_s3_requests_total{op=\"get_object\"}",
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_sample_once_across_four_ranks_with_captions_labels_and_a_truncated_shard() {
     let dir = tempfile::tempdir().unwrap();
@@ -163,8 +76,12 @@ async fn every_sample_once_across_four_ranks_with_captions_labels_and_a_truncate
     // The index, built by its own process into a bucket apart from the data.
     let summary = index_process(
         &server,
-        &format!("s3://{BUCKET}/wds/{{00000..{:05}}}.tar", shards - 1),
-        &format!("s3://{INDEX_BUCKET}/pipe/"),
+        &[
+            "--shards",
+            &format!("s3://{BUCKET}/wds/{{00000..{:05}}}.tar", shards - 1),
+            "--out",
+            &format!("s3://{INDEX_BUCKET}/pipe/"),
+        ],
     );
     assert_eq!(summary["shards"], shards);
     assert_eq!(summary["samples"], shards * per);
@@ -188,7 +105,8 @@ async fn every_sample_once_across_four_ranks_with_captions_labels_and_a_truncate
     let mut batches = 0usize;
     for rank in 0..4 {
         for batch in plan(rank, 4, 16).shard_plan_from(&table.counts, 120, Cursor::default()) {
-            delivered.extend(decode(&mut worker, &table, &source, &batch.samples).await);
+            delivered
+                .extend(decode_shard_samples(&mut worker, &table, &source, &batch.samples).await);
             batches += 1;
         }
     }
@@ -250,7 +168,7 @@ async fn every_sample_once_across_four_ranks_with_captions_labels_and_a_truncate
         .shard_plan_from(&table.counts, 120, Cursor::default())
         .next()
         .unwrap();
-    let got = decode(&mut worker, &table, &source, &first.samples).await;
+    let got = decode_shard_samples(&mut worker, &table, &source, &first.samples).await;
     assert!(got.iter().all(|d| d.skip.is_empty()));
     assert_eq!(
         get_requests(&worker) - before,
@@ -271,7 +189,7 @@ async fn a_resume_mid_shard_decodes_the_remaining_order_and_a_cut_shard_is_repor
     std::fs::write(&last, &bytes[..bytes.len() / 2]).unwrap();
 
     let (source, _) = source(&server).await;
-    let (bucket, keys) = resolve_shards(&source, &format!("s3://{BUCKET}/wds/"))
+    let (bucket, keys) = resolve_shards(&source, &format!("s3://{BUCKET}/wds/"), ".tar")
         .await
         .unwrap();
     assert_eq!(keys.len(), 3, "every .tar under the prefix");
@@ -327,7 +245,7 @@ async fn a_resume_mid_shard_decodes_the_remaining_order_and_a_cut_shard_is_repor
     let mut full_keys = Vec::new();
     for b in &full {
         full_keys.push(keys_of(
-            decode(&mut worker, &table, &source, &b.samples).await,
+            decode_shard_samples(&mut worker, &table, &source, &b.samples).await,
         ));
     }
     let position = full[2].position;
@@ -337,7 +255,7 @@ async fn a_resume_mid_shard_decodes_the_remaining_order_and_a_cut_shard_is_repor
     let mut resumed_keys = Vec::new();
     for b in &resumed {
         resumed_keys.push(keys_of(
-            decode(&mut worker, &table, &source, &b.samples).await,
+            decode_shard_samples(&mut worker, &table, &source, &b.samples).await,
         ));
     }
     assert_eq!(resumed_keys, full_keys[3..], "the remaining order, exactly");
@@ -390,8 +308,12 @@ async fn two_hundred_thousand_samples_plan_in_o_shards_memory_and_the_first_batc
 
     let summary = index_process(
         &server,
-        &format!("s3://{BUCKET}/big/{{00000..{:05}}}.tar", shards - 1),
-        &format!("s3://{INDEX_BUCKET}/big/"),
+        &[
+            "--shards",
+            &format!("s3://{BUCKET}/big/{{00000..{:05}}}.tar", shards - 1),
+            "--out",
+            &format!("s3://{INDEX_BUCKET}/big/"),
+        ],
     );
     assert_eq!(summary["samples"], shards * per);
     eprintln!("index of {} samples: {summary}", shards * per);
@@ -406,7 +328,7 @@ async fn two_hundred_thousand_samples_plan_in_o_shards_memory_and_the_first_batc
     let window = stoker_loader::sidecar::plan::DEFAULT_SHUFFLE_WINDOW;
     let mut batches = plan(3, 8, 32).shard_plan_from(&table.counts, window, Cursor::default());
     let first = batches.next().unwrap();
-    let got = decode(&mut worker, &table, &source, &first.samples).await;
+    let got = decode_shard_samples(&mut worker, &table, &source, &first.samples).await;
     let first_batch = t0.elapsed();
     assert_eq!(got.len(), 32);
     assert!(got.iter().all(|d| d.skip.is_empty()));
@@ -436,8 +358,12 @@ fn sidecars_over_the_index_deliver_every_sample_once_per_epoch_and_resume_in_ord
     write_shards(&server, "wds", shards, per);
     index_process(
         &server,
-        &format!("s3://{BUCKET}/wds/"),
-        &format!("s3://{INDEX_BUCKET}/pipe/"),
+        &[
+            "--shards",
+            &format!("s3://{BUCKET}/wds/"),
+            "--out",
+            &format!("s3://{INDEX_BUCKET}/pipe/"),
+        ],
     );
     let worker = decode_worker(&server);
     let start = |rank: u32, extra: &[&str]| {
@@ -554,8 +480,12 @@ fn first_batch_at_scale() {
 
     let summary = index_process(
         &server,
-        &format!("s3://{BUCKET}/big/{{00000..{:05}}}.tar", shards - 1),
-        &format!("s3://{INDEX_BUCKET}/big/"),
+        &[
+            "--shards",
+            &format!("s3://{BUCKET}/big/{{00000..{:05}}}.tar", shards - 1),
+            "--out",
+            &format!("s3://{INDEX_BUCKET}/big/"),
+        ],
     );
     let index_dir = server.root().join(INDEX_BUCKET).join("big");
     let size = |name: &str| {

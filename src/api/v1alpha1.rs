@@ -105,11 +105,13 @@ pub struct DataPipelineSpec {
 }
 
 /// The data source: objects under `s3.prefix` (one image each), the samples a `manifest`
-/// lists, or `webDataset` shards.
+/// lists, `webDataset` shards, or `parquet` files.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = kube::core::Rule::new("!has(self.manifest) || !has(self.webDataset)").message("source.manifest and source.webDataset are two kinds of source: name one"))]
 #[x_kube(validation = kube::core::Rule::new("!has(self.webDataset) || self.webDataset.shards.startsWith('s3://' + self.s3.bucket + '/' + (has(self.s3.prefix) ? self.s3.prefix : ''))").message("source.webDataset.shards must lie in source.s3.bucket under source.s3.prefix: the decoders read nothing else"))]
+#[x_kube(validation = kube::core::Rule::new("!has(self.parquet) || (!has(self.manifest) && !has(self.webDataset))").message("source.parquet is a kind of source of its own: name it without source.manifest or source.webDataset"))]
+#[x_kube(validation = kube::core::Rule::new("!has(self.parquet) || self.parquet.files.startsWith('s3://' + self.s3.bucket + '/' + (has(self.s3.prefix) ? self.s3.prefix : ''))").message("source.parquet.files must lie in source.s3.bucket under source.s3.prefix: the decoders read nothing else"))]
 pub struct Source {
     pub s3: S3Source,
     /// Optional manifest object (`s3://bucket/key.jsonl`): one sample key plus caption/label per line.
@@ -120,6 +122,79 @@ pub struct Source {
     /// WebDataset tar shards, planned through their index.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub web_dataset: Option<WebDataset>,
+    /// Parquet files with the image bytes in a column, planned through their index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parquet: Option<ParquetSource>,
+}
+
+/// What a source planned through a dataset index is built from (`webDataset`, `parquet`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IndexedDataset<'a> {
+    /// `stoker-loader index`'s flag naming the files (`--shards`, `--parquet`) and its value.
+    pub flag: &'static str,
+    pub files: &'a str,
+    pub index: &'a str,
+    pub shuffle_window: Option<u32>,
+    /// Parquet only: the image column and the metadata columns.
+    pub image_column: Option<&'a str>,
+    pub columns: &'a [String],
+}
+
+impl Source {
+    /// The dataset index this source plans over, if it is sharded.
+    pub fn indexed(&self) -> Option<IndexedDataset<'_>> {
+        if let Some(w) = &self.web_dataset {
+            return Some(IndexedDataset {
+                flag: "--shards",
+                files: &w.shards,
+                index: &w.index,
+                shuffle_window: w.shuffle_window,
+                image_column: None,
+                columns: &[],
+            });
+        }
+        self.parquet.as_ref().map(|p| IndexedDataset {
+            flag: "--parquet",
+            files: &p.files,
+            index: &p.index,
+            shuffle_window: p.shuffle_window,
+            image_column: p.image_column.as_deref(),
+            columns: &p.columns,
+        })
+    }
+}
+
+/// Parquet files holding each image's bytes in a column (Hugging Face datasets' layout: an
+/// `image` struct of `bytes` and `path`; or a plain binary column), one sample per row, with
+/// other columns carried to the trainer as the sample's metadata. Sidecars plan over the
+/// dataset index; decoders range-read the data page holding each row, so files written with
+/// small data pages (pyarrow's `data_page_size` near one image) read the fewest bytes.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ParquetSource {
+    /// The files: a brace pattern (`s3://bucket/data/train-{00000..00099}.parquet`) or a
+    /// prefix ending in `/` for every `.parquet` under it. In `source.s3.bucket`.
+    #[schemars(length(min = 6, max = 1100))]
+    #[x_kube(validation = kube::core::Rule::new("self.startsWith('s3://')").message("source.parquet.files must be an s3:// URL, e.g. s3://bucket/data/train-{00000..00099}.parquet"))]
+    pub files: String,
+    /// The column of image bytes (default `image`): binary, or a struct whose `bytes` field
+    /// holds them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub image_column: Option<String>,
+    /// Top-level columns carried with each sample as its metadata (caption, label, ...).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(min = 1, max = 256)))]
+    pub columns: Vec<String>,
+    /// Where the dataset index is (`s3://bucket/prefix/`), as for `webDataset`: the summary
+    /// plus one table per file (its pages and each row's metadata columns).
+    #[schemars(length(min = 6, max = 1100))]
+    #[x_kube(validation = kube::core::Rule::new("self.startsWith('s3://') && self.endsWith('/')").message("source.parquet.index must be an s3:// prefix ending in /, e.g. s3://indexes/captions/"))]
+    pub index: String,
+    /// Samples in the shard-aware shuffle's buffer (default 10,000), as for `webDataset`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub shuffle_window: Option<u32>,
 }
 
 /// WebDataset shards (`.tar` files whose members sharing a basename form one sample: the image
@@ -835,10 +910,27 @@ mod tests {
             include_str!("../../examples/objects.yaml"),
             include_str!("../../examples/manifest.yaml"),
             include_str!("../../examples/webdataset.yaml"),
+            include_str!("../../examples/parquet.yaml"),
         ] {
             let dp: DataPipeline = serde_yaml::from_str(example).expect("example parses");
             dp.validate_cel().expect("example is valid");
         }
+    }
+
+    #[test]
+    fn parquet_files_lie_where_decoders_read_and_exclude_other_kinds() {
+        let pq: DataPipeline =
+            serde_yaml::from_str(include_str!("../../examples/parquet.yaml")).expect("parses");
+        let mut dp = pq.clone();
+        dp.spec.source.manifest = Some("s3://captions/train.jsonl".into());
+        assert!(rejected(&dp).contains("source.parquet is a kind of source of its own"));
+        let mut dp = pq.clone();
+        dp.spec.source.parquet.as_mut().expect("parquet").files =
+            "s3://other/train/0.parquet".into();
+        assert!(rejected(&dp).contains("source.parquet.files must lie in source.s3.bucket"));
+        let indexed = pq.spec.source.indexed().expect("indexed");
+        assert_eq!(indexed.flag, "--parquet");
+        assert_eq!(indexed.columns, ["caption", "label"]);
     }
 
     #[test]

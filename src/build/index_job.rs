@@ -1,4 +1,4 @@
-//! The Job that builds a WebDataset pipeline's dataset index: `stoker-loader index` from the
+//! The Job that builds a WebDataset or Parquet pipeline's dataset index: `stoker-loader index` from the
 //! loader image, once per (shards, index location, `stoker.dev/reindex` annotation). Its name
 //! carries a hash of those, so a pipeline gets a new Job exactly when one of them changes and a
 //! finished Job is never run again by a resync or an operator restart.
@@ -20,7 +20,7 @@ use super::decoder_pod::{credentials_env_from, instance_metadata_env};
 use super::loader_args::{TERMINATION_LOG, index_args};
 use super::{BuildDefaults, LOADER_COMMAND, child_meta, restricted_security_context};
 use crate::api::DataPipeline;
-use crate::api::v1alpha1::WebDataset;
+use crate::api::v1alpha1::IndexedDataset;
 
 /// Set (or change) this annotation on a pipeline to build its index again, e.g. after shards
 /// were added: `kubectl annotate dp NAME stoker.dev/reindex="$(date +%s)" --overwrite`.
@@ -34,9 +34,9 @@ pub const LABEL_INDEX_OF: &str = "stoker.dev/index-of";
 /// Tries before the Job fails (S3 errors are already retried inside each try).
 const BACKOFF_LIMIT: i32 = 3;
 
-/// The index Job `dp` should have: `None` unless it reads WebDataset shards.
+/// The index Job `dp` should have: `None` unless it reads WebDataset shards or Parquet files.
 pub fn index_job(dp: &DataPipeline, defaults: &BuildDefaults) -> Result<Option<Job>, RenderError> {
-    let (Some(wds), Some(args)) = (&dp.spec.source.web_dataset, index_args(dp)?) else {
+    let (Some(dataset), Some(args)) = (dp.spec.source.indexed(), index_args(dp)?) else {
         return Ok(None);
     };
     let container = Container {
@@ -79,7 +79,7 @@ pub fn index_job(dp: &DataPipeline, defaults: &BuildDefaults) -> Result<Option<J
         (LABEL_INDEX_OF.to_string(), dp.name_any()),
     ]);
     Ok(Some(Job {
-        metadata: child_meta(dp, index_job_name(dp, wds)),
+        metadata: child_meta(dp, index_job_name(dp, &dataset)),
         spec: Some(JobSpec {
             backoff_limit: Some(BACKOFF_LIMIT),
             template: PodTemplateSpec {
@@ -113,13 +113,21 @@ pub fn index_job(dp: &DataPipeline, defaults: &BuildDefaults) -> Result<Option<J
 }
 
 /// `<pipeline>-index-<hash>`: the hash of what the index is built from.
-pub fn index_job_name(dp: &DataPipeline, wds: &WebDataset) -> String {
+pub fn index_job_name(dp: &DataPipeline, dataset: &IndexedDataset<'_>) -> String {
     let reindex = dp
         .annotations()
         .get(ANNOTATION_REINDEX)
         .map(String::as_str)
         .unwrap_or_default();
-    let digest = Sha256::digest(format!("{}\n{}\n{reindex}", wds.shards, wds.index));
+    let mut built_from = format!("{}\n{}\n{reindex}", dataset.files, dataset.index);
+    // Parquet: the columns read are part of what the index holds.
+    if let Some(image) = dataset.image_column {
+        built_from += &format!("\n{image}");
+    }
+    if !dataset.columns.is_empty() {
+        built_from += &format!("\n{}", dataset.columns.join(","));
+    }
+    let digest = Sha256::digest(built_from);
     let hash: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
     format!("{}-index-{hash}", dp.name_any())
 }

@@ -79,12 +79,11 @@ pub fn sidecar(dp: &DataPipeline) -> Result<SidecarArgs, clap::Error> {
     Ok(SidecarArgs {
         prefix: spec.source.s3.prefix.clone().unwrap_or_default(),
         manifest: spec.source.manifest.clone(),
-        index: spec.source.web_dataset.as_ref().map(|w| w.index.clone()),
+        index: spec.source.indexed().map(|d| d.index.to_string()),
         shuffle_window: spec
             .source
-            .web_dataset
-            .as_ref()
-            .and_then(|w| w.shuffle_window)
+            .indexed()
+            .and_then(|d| d.shuffle_window)
             .map_or(defaults.shuffle_window, |w| w as usize),
         batch_size,
         seed: or_default(spec.batch.shuffle_seed, defaults.seed),
@@ -125,14 +124,18 @@ pub fn sidecar_args(dp: &DataPipeline) -> Result<Vec<String>, RenderError> {
 /// Where a container's termination message goes (the pod's `terminationMessagePath` default).
 pub const TERMINATION_LOG: &str = "/dev/termination-log";
 
-/// `stoker-loader index` for a `webDataset` pipeline's index Job (`None` for other sources),
-/// with the pipeline's S3 settings.
+/// `stoker-loader index` for a `webDataset` or `parquet` pipeline's index Job (`None` for
+/// other sources), with the pipeline's S3 settings.
 pub fn index(dp: &DataPipeline) -> Result<Option<IndexArgs>, clap::Error> {
-    let Some(wds) = &dp.spec.source.web_dataset else {
+    let Some(dataset) = dp.spec.source.indexed() else {
         return Ok(None);
     };
-    let defaults = IndexArgs::parse_flags(["--shards", &wds.shards, "--out", &wds.index])?;
+    let defaults = IndexArgs::parse_flags([dataset.flag, dataset.files, "--out", dataset.index])?;
     Ok(Some(IndexArgs {
+        image_column: dataset
+            .image_column
+            .map_or(defaults.image_column.clone(), str::to_string),
+        columns: dataset.columns.to_vec(),
         summary_file: Some(TERMINATION_LOG.into()),
         s3: s3_args(dp, defaults.s3.clone()),
         ..defaults
@@ -164,6 +167,7 @@ mod tests {
             include_str!("../../examples/objects.yaml"),
             include_str!("../../examples/manifest.yaml"),
             include_str!("../../examples/webdataset.yaml"),
+            include_str!("../../examples/parquet.yaml"),
             include_str!("../../tests/fixtures/datapipeline-qwen.yaml"),
         ] {
             let dp = dp(fixture);
@@ -181,6 +185,23 @@ mod tests {
                 assert_eq!(IndexArgs::parse_flags(&line[1..]).expect("parses"), index);
             }
         }
+    }
+
+    #[test]
+    fn a_parquet_index_job_reads_the_named_columns() {
+        let dp = dp(include_str!("../../examples/parquet.yaml"));
+        let line = index_args(&dp)
+            .expect("renders")
+            .expect("an index")
+            .join(" ");
+        assert!(
+            line.contains("--parquet s3://captions/train/{00000..00099}.parquet"),
+            "{line}"
+        );
+        assert!(line.contains("--columns caption,label"), "{line}");
+        assert!(!line.contains("--shards"), "{line}");
+        let args = sidecar(&dp).expect("builds");
+        assert_eq!(args.index.as_deref(), Some("s3://captions-index/v1/"));
     }
 
     #[test]

@@ -62,9 +62,8 @@ pub async fn observe(ctx: &Context, dp: &DataPipeline, job: &Job) -> Result<Inde
     let location = dp
         .spec
         .source
-        .web_dataset
-        .as_ref()
-        .map(|w| w.index.clone())
+        .indexed()
+        .map(|d| d.index.to_string())
         .unwrap_or_default();
     let live = ctx.children().and_then(|c| ChildStores::live(&c.jobs, job));
     let finished = live.as_deref().and_then(finished);

@@ -198,7 +198,7 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
         // The reconcile reports the index (see `super::index`); kept while the source has one.
         index: previous
             .index
-            .filter(|_| dp.spec.source.web_dataset.is_some()),
+            .filter(|_| dp.spec.source.indexed().is_some()),
     }
 }
 

@@ -47,7 +47,7 @@ pub fn parse_manifest(location: &str, text: &str) -> Result<Vec<SampleRef>, Sour
             out.push(SampleRef {
                 key: line.to_string(),
                 metadata: String::new(),
-                range: None,
+                ..SampleRef::default()
             });
             continue;
         }
@@ -73,7 +73,7 @@ pub fn parse_manifest(location: &str, text: &str) -> Result<Vec<SampleRef>, Sour
         out.push(SampleRef {
             key,
             metadata,
-            range: None,
+            ..SampleRef::default()
         });
     }
     Ok(out)
@@ -97,7 +97,7 @@ mod tests {
             SampleRef {
                 key: "b.png".into(),
                 metadata: String::new(),
-                range: None,
+                ..SampleRef::default()
             }
         );
         assert_eq!(s[2].key, "c.webp");

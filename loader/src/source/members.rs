@@ -1,15 +1,18 @@
 //! Fetching one batch's samples: whole objects with one GET each; samples inside shards with
 //! range GETs, one per run of neighbouring samples of the same shard (coalesced when the gap
 //! between them is small), never the whole shard per sample. Each ranged sample is then split
-//! into its image and its fields (caption, label, ...), which travel as the sample's metadata.
+//! into its image and its fields (caption, label, ...), which travel as the sample's metadata;
+//! a Parquet row's span is its data page, decoded once per span for every row asked of it.
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use bytes::Bytes;
 use futures::future::join_all;
 
+use super::parquet::{ParquetValue, decode_page};
 use super::tar::{TarError, split_sample};
-use super::{S3Source, SampleRef};
+use super::{S3Source, SampleRef, SourceError};
 use crate::batch::EncodedSample;
 use crate::decode::SkipReason;
 
@@ -19,6 +22,15 @@ impl From<crate::proto::SampleRef> for SampleRef {
             key: s.key,
             metadata: s.metadata,
             range: (s.length > 0).then(|| s.offset..s.offset.saturating_add(s.length)),
+            parquet: s.parquet.map(|p| ParquetValue {
+                page_rows: p.page_rows,
+                row: p.row,
+                codec: p.codec,
+                max_def_level: p.max_def_level,
+                dictionary: (p.dictionary_length > 0).then(|| {
+                    p.dictionary_offset..p.dictionary_offset.saturating_add(p.dictionary_length)
+                }),
+            }),
         }
     }
 }
@@ -35,6 +47,20 @@ impl From<&SampleRef> for crate::proto::SampleRef {
             inline: Bytes::new(),
             offset,
             length,
+            parquet: s.parquet.as_ref().map(|p| {
+                let (dictionary_offset, dictionary_length) = p
+                    .dictionary
+                    .as_ref()
+                    .map_or((0, 0), |r| (r.start, r.end.saturating_sub(r.start)));
+                crate::proto::ParquetValue {
+                    page_rows: p.page_rows,
+                    row: p.row,
+                    codec: p.codec.clone(),
+                    max_def_level: p.max_def_level,
+                    dictionary_offset,
+                    dictionary_length,
+                }
+            }),
         }
     }
 }
@@ -126,7 +152,21 @@ pub async fn fetch_samples(
             .await;
         (span, got)
     });
-    let (whole, ranged) = futures::join!(join_all(whole), join_all(ranged));
+    // Dictionary pages of the batch's dictionary-encoded Parquet pages, each fetched once.
+    let mut wanted: Vec<(&str, Range<u64>)> = samples
+        .iter()
+        .filter_map(|s| Some((s.key.as_str(), s.parquet.as_ref()?.dictionary.clone()?)))
+        .collect();
+    wanted.sort_by_key(|(k, r)| (*k, r.start));
+    wanted.dedup();
+    let dictionaries = wanted.into_iter().map(|(key, r)| async move {
+        let got = source.get_range(bucket, key, Some(r.clone())).await;
+        ((key, r.start), got)
+    });
+    let (whole, ranged, dictionaries) =
+        futures::join!(join_all(whole), join_all(ranged), join_all(dictionaries));
+    let dictionaries: HashMap<(&str, u64), Result<Bytes, SourceError>> =
+        dictionaries.into_iter().collect();
     for (i, got) in whole {
         out[i].data = got.map_err(|e| {
             tracing::warn!(key = %samples[i].key, reason = %e.skip_reason(), error = %e, "skipping sample");
@@ -134,10 +174,29 @@ pub async fn fetch_samples(
         });
     }
     for (span, got) in ranged {
+        let mut pages = HashMap::new();
         for &i in &span.samples {
             let Some(range) = samples[i].range.clone() else {
                 continue;
             };
+            if let (Ok(bytes), Some(value)) = (&got, &samples[i].parquet) {
+                let dictionary = value
+                    .dictionary
+                    .as_ref()
+                    .and_then(|d| dictionaries.get(&(span.key.as_str(), d.start)));
+                let page = Page {
+                    span: bytes,
+                    span_start: span.range.start,
+                    range,
+                    value,
+                    dictionary,
+                };
+                out[i].data = page.row(&mut pages);
+                if let Err(reason) = &out[i].data {
+                    tracing::warn!(key = %span.key, row = %samples[i].metadata, %reason, "skipping parquet row");
+                }
+                continue;
+            }
             let (data, metadata) = match &got {
                 Ok(bytes) => sample_of(bytes, span.range.start, range.clone()),
                 Err(e) => {
@@ -154,6 +213,61 @@ pub async fn fetch_samples(
         }
     }
     out
+}
+
+/// Decoded pages of one span, by their start: each page is decoded once for all its rows.
+type DecodedPages = HashMap<u64, Result<Vec<Option<Bytes>>, (SkipReason, String)>>;
+
+/// A Parquet row's data page inside its span, with its dictionary page when it needs one.
+struct Page<'a> {
+    span: &'a Bytes,
+    span_start: u64,
+    range: Range<u64>,
+    value: &'a ParquetValue,
+    dictionary: Option<&'a Result<Bytes, SourceError>>,
+}
+
+impl Page<'_> {
+    /// The row's image bytes, or why it is skipped: a page cut short (the file ends early) is
+    /// truncated; one that does not decode (bad compression, levels or lengths) is corrupt,
+    /// for each of its rows; a row without an image is empty.
+    fn row(&self, pages: &mut DecodedPages) -> Result<Bytes, SkipReason> {
+        let decoded = pages
+            .entry(self.range.start)
+            .or_insert_with(|| self.decode());
+        match decoded {
+            Ok(rows) => rows
+                .get(self.value.row as usize)
+                .cloned()
+                .ok_or(SkipReason::Corrupt)?
+                .ok_or(SkipReason::Empty),
+            Err((reason, detail)) => {
+                tracing::warn!(range = ?self.range, %detail, "parquet page does not decode");
+                Err(*reason)
+            }
+        }
+    }
+
+    fn decode(&self) -> Result<Vec<Option<Bytes>>, (SkipReason, String)> {
+        let from = (self.range.start - self.span_start) as usize;
+        let to = (self.range.end - self.span_start) as usize;
+        if to > self.span.len() {
+            return Err((
+                SkipReason::Truncated,
+                "the file ends inside the page".into(),
+            ));
+        }
+        let dictionary = match self.dictionary {
+            None if self.value.dictionary.is_some() => {
+                return Err((SkipReason::S3Error, "dictionary page not fetched".into()));
+            }
+            None => None,
+            Some(Ok(d)) => Some(d.clone()),
+            Some(Err(e)) => return Err((e.skip_reason(), e.to_string())),
+        };
+        decode_page(self.span.slice(from..to), dictionary, self.value)
+            .map_err(|detail| (SkipReason::Corrupt, detail))
+    }
 }
 
 /// One sample's image bytes and fields from its span's bytes (shorter than asked when the
@@ -205,8 +319,8 @@ mod tests {
     fn at(key: &str, range: Range<u64>) -> SampleRef {
         SampleRef {
             key: key.into(),
-            metadata: String::new(),
             range: Some(range),
+            ..SampleRef::default()
         }
     }
 

@@ -1,9 +1,10 @@
 //! Where samples come from: S3 listing (ListObjectsV2, paginated), JSONL manifests (in S3 or on
-//! disk), WebDataset tar shards (byte ranges from the dataset index, fetched with coalesced range
-//! GETs), and GETs with bounded concurrency and jittered exponential backoff.
+//! disk), WebDataset tar shards and Parquet files (byte ranges from the dataset index, fetched
+//! with coalesced range GETs), and GETs with bounded concurrency and jittered exponential backoff.
 
 mod manifest;
 mod members;
+pub mod parquet;
 mod s3;
 pub mod tar;
 
@@ -22,6 +23,9 @@ pub struct SampleRef {
     /// The sample's bytes inside `key` (a WebDataset shard: its members back to back);
     /// `None`: the whole object is the image.
     pub range: Option<std::ops::Range<u64>>,
+    /// A Parquet row: `range` is its data page, and this says which row of it and how the
+    /// page is encoded.
+    pub parquet: Option<parquet::ParquetValue>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -230,6 +230,34 @@ impl S3Source {
         let header = range
             .as_ref()
             .map(|r| format!("bytes={}-{}", r.start, r.end.max(r.start + 1) - 1));
+        Ok(self.get_with(bucket, key, header).await?.0)
+    }
+
+    /// GETs the last `len` bytes of an object (all of it when shorter), with the object's
+    /// size: how a Parquet footer is read without knowing the file's length first.
+    pub async fn get_tail(
+        &self,
+        bucket: &str,
+        key: &str,
+        len: u64,
+    ) -> Result<(Bytes, u64), SourceError> {
+        let (bytes, content_range) = self
+            .get_with(bucket, key, Some(format!("bytes=-{}", len.max(1))))
+            .await?;
+        // `bytes 100-199/200`; a server that ignores the range sends the whole object.
+        let size = content_range
+            .and_then(|r| r.rsplit_once('/')?.1.parse().ok())
+            .unwrap_or(bytes.len() as u64);
+        Ok((bytes, size))
+    }
+
+    /// One GET with an optional `Range` header, retried; the body and the `Content-Range`.
+    async fn get_with(
+        &self,
+        bucket: &str,
+        key: &str,
+        header: Option<String>,
+    ) -> Result<(Bytes, Option<String>), SourceError> {
         let mut attempt = 0u32;
         loop {
             let outcome = {
@@ -247,7 +275,7 @@ impl S3Source {
                     .await
                 {
                     Ok(out) => match out.body.collect().await {
-                        Ok(data) => Ok(data.into_bytes()),
+                        Ok(data) => Ok((data.into_bytes(), out.content_range)),
                         Err(e) => Err(Attempt::Retry {
                             status: 0,
                             detail: format!("reading body: {e}"),
@@ -255,7 +283,7 @@ impl S3Source {
                     },
                     Err(e) => Err(classify(&e)),
                 };
-                if let Ok(b) = &result {
+                if let Ok((b, _)) = &result {
                     self.metrics.observe_get(t0.elapsed(), b.len());
                 }
                 result
@@ -394,7 +422,7 @@ impl S3Source {
                     out.push(SampleRef {
                         key: k.to_string(),
                         metadata: String::new(),
-                        range: None,
+                        ..SampleRef::default()
                     });
                 }
             }

@@ -272,3 +272,96 @@ pub fn spawn_decoder(server: &S3Server, extra: &[&str]) -> DecoderProcess {
         child,
     }
 }
+
+/// The test venv's python (scripts/python-env.sh installs webdataset and pyarrow there):
+/// `$STOKER_PYTHON`, as scripts/test.sh sets it, else the script's answer (which installs what
+/// is missing: tests running at once must not each reinstall, so CI sets the variable).
+pub fn python() -> std::path::PathBuf {
+    if let Some(python) = std::env::var_os("STOKER_PYTHON") {
+        return python.into();
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/python-env.sh");
+    let out = std::process::Command::new("bash")
+        .arg(script)
+        .output()
+        .expect("python-env.sh");
+    assert!(
+        out.status.success(),
+        "python-env.sh: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let venv = String::from_utf8(out.stdout).unwrap();
+    std::path::Path::new(venv.trim()).join("bin/python")
+}
+
+/// Runs `stoker-loader index` as its own process; returns its JSON summary line.
+pub fn index_process(server: &S3Server, args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
+        .arg("index")
+        .args(args)
+        .args(["--endpoint", &server.endpoint(), "--region", "us-east-1"])
+        .arg("--force-path-style")
+        .env("AWS_ACCESS_KEY_ID", server.access_key())
+        .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .env_remove("AWS_PROFILE")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "index failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // What the build left out, with its reasons (shown with --nocapture).
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON line")
+}
+
+/// One decoded or skipped sample as the trainer sees it.
+#[derive(Debug, Clone)]
+pub struct Delivered {
+    pub shard_key: String,
+    pub metadata: serde_json::Value,
+    pub skip: String,
+    pub width: u32,
+    /// The stored image's width: which image a row's bytes were.
+    pub orig_width: u32,
+}
+
+pub async fn decode_shard_samples(
+    worker: &mut TestWorker,
+    table: &stoker_loader::index::ShardTable,
+    source: &S3Source,
+    samples: &[stoker_loader::sidecar::plan::ShardSample],
+) -> Vec<Delivered> {
+    let refs = table.sample_refs(source, samples).await.unwrap();
+    let reply = worker
+        .client
+        .decode_batch(proto::DecodeBatchRequest {
+            batch_id: 1,
+            bucket: table.bucket.clone(),
+            samples: refs.iter().map(proto::SampleRef::from).collect(),
+            transform: Some(crop(16, 16)),
+        })
+        .await
+        .unwrap();
+    reply
+        .samples
+        .into_iter()
+        .map(|m| Delivered {
+            shard_key: m.key,
+            metadata: serde_json::from_str(&m.metadata).unwrap(),
+            skip: m.skip_reason,
+            width: m.width,
+            orig_width: m.orig_width,
+        })
+        .collect()
+}
+
+/// GET requests the worker has sent.
+pub fn get_requests(worker: &TestWorker) -> f64 {
+    metric(
+        &worker.state.metrics.encode(),
+        "stoker_loader_s3_requests_total{op=\"get_object\"}",
+    )
+}

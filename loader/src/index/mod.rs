@@ -5,9 +5,12 @@
 //! - `index.json`, the summary: per shard its key, sample count and size (O(shards); about
 //!   60 bytes per shard as JSON, so 4,096 shards are ~250 KB) and the samples the build could
 //!   not index, each with its shard and reason. This is all a sidecar loads at start.
-//! - `offsets.bin`: per shard, where each sample starts and where the last one ends, as
-//!   little-endian u64 (8 bytes per sample + 8 per shard). A sidecar range-reads one shard's
-//!   table when the shuffle window reaches that shard and drops it after.
+//! - `offsets.bin` (WebDataset): per shard, where each sample starts and where the last one
+//!   ends, as little-endian u64 (8 bytes per sample + 8 per shard). A sidecar range-reads one
+//!   shard's table when the shuffle window reaches that shard and drops it after.
+//! - `parquet.jsonl` (Parquet): per file one JSON line ([`parquet::FileTable`]): the image
+//!   column's pages (about 60 bytes each) and each row's metadata columns as JSON (the
+//!   caption's size plus ~15 bytes per row); the summary gives each line's byte range.
 //!
 //! Where it lives: a location the user names, separate from the data, so the data's
 //! credentials stay read-only (only the index Job needs write access there). The summary fits
@@ -20,6 +23,8 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
+pub mod parquet;
+
 use crate::sidecar::plan::ShardSample;
 use crate::source::tar::{SampleBounds, TarWalker};
 use crate::source::{ManifestLocation, S3Source, SampleRef, SourceError};
@@ -27,6 +32,7 @@ use crate::source::{ManifestLocation, S3Source, SampleRef, SourceError};
 pub const INDEX_VERSION: u32 = 1;
 pub const SUMMARY_NAME: &str = "index.json";
 pub const OFFSETS_NAME: &str = "offsets.bin";
+pub const PARQUET_TABLES_NAME: &str = "parquet.jsonl";
 
 /// Bytes one range GET reads while indexing a shard: large enough that the request cost is
 /// small against the transfer, small enough to retry cheaply.
@@ -38,8 +44,8 @@ pub enum IndexError {
     Source(#[from] SourceError),
     #[error("shard pattern {pattern:?}: {detail}")]
     Pattern { pattern: String, detail: String },
-    #[error("no .tar shards match {pattern:?}")]
-    NoShards { pattern: String },
+    #[error("no {what} files match {pattern:?}")]
+    NoShards { pattern: String, what: &'static str },
     #[error("index at {location}: {detail}")]
     Format { location: String, detail: String },
     #[error("index at {location}: {source}")]
@@ -66,8 +72,22 @@ impl IndexError {
 pub struct ShardEntry {
     pub key: String,
     pub samples: u32,
-    /// Bytes of the shard read while indexing.
+    /// Bytes of the shard: read while indexing (WebDataset), the file's size (Parquet).
     pub bytes: u64,
+    /// Parquet: where the file's table lies in `parquet.jsonl`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table: Option<[u64; 2]>,
+}
+
+/// What the shards are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IndexKind {
+    /// `.tar` shards; each sample's members back to back (`offsets.bin`).
+    #[default]
+    WebDataset,
+    /// Parquet files; a sample is a row (`parquet.jsonl`).
+    Parquet,
 }
 
 /// A sample the build left out, with its shard and why.
@@ -81,6 +101,8 @@ pub struct IndexProblem {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DatasetIndex {
     pub version: u32,
+    #[serde(default)]
+    pub kind: IndexKind,
     pub bucket: String,
     pub shards: Vec<ShardEntry>,
     pub samples: u64,
@@ -126,10 +148,12 @@ pub fn expand_braces(pattern: &str) -> Result<Vec<String>, IndexError> {
 }
 
 /// The shards a source names: `s3://bucket/pattern{..}.tar`, or `s3://bucket/prefix/` for
-/// every `.tar` under the prefix. Returns the bucket and the keys.
+/// every file under the prefix ending in `ext` (`.tar`, `.parquet`). Returns the bucket and
+/// the keys.
 pub async fn resolve_shards(
     source: &S3Source,
     url: &str,
+    ext: &'static str,
 ) -> Result<(String, Vec<String>), IndexError> {
     let ManifestLocation::S3 { bucket, key } = ManifestLocation::parse(url) else {
         return Err(IndexError::Pattern {
@@ -145,7 +169,7 @@ pub async fn resolve_shards(
             .await?
             .into_iter()
             .map(|s| s.key)
-            .filter(|k| k.ends_with(".tar"))
+            .filter(|k| k.ends_with(ext))
             .collect();
         keys.sort();
         keys
@@ -153,6 +177,7 @@ pub async fn resolve_shards(
     if keys.is_empty() {
         return Err(IndexError::NoShards {
             pattern: url.into(),
+            what: ext,
         });
     }
     Ok((bucket, keys))
@@ -217,6 +242,7 @@ async fn index_shard(
             key: key.into(),
             samples: samples as u32,
             bytes: read,
+            table: None,
         },
         starts,
         problems,
@@ -236,6 +262,7 @@ pub async fn build_webdataset(
         .buffered(parallel.max(1));
     let mut index = DatasetIndex {
         version: INDEX_VERSION,
+        kind: IndexKind::WebDataset,
         bucket: bucket.into(),
         shards: Vec::with_capacity(keys.len()),
         samples: 0,
@@ -258,6 +285,43 @@ pub async fn build_webdataset(
     Ok((index, offsets))
 }
 
+/// Builds the index of Parquet files: every footer read, the image pages walked and the
+/// metadata columns read, `parallel` files at a time. Returns the summary and `parquet.jsonl`.
+pub async fn build_parquet(
+    source: &S3Source,
+    bucket: &str,
+    keys: &[String],
+    columns: &parquet::ParquetColumns,
+    parallel: usize,
+) -> Result<(DatasetIndex, Vec<u8>), IndexError> {
+    let mut files = futures::stream::iter(keys.iter())
+        .map(|k| parquet::index_file(source, bucket, k, columns))
+        .buffered(parallel.max(1));
+    let mut index = DatasetIndex {
+        version: INDEX_VERSION,
+        kind: IndexKind::Parquet,
+        bucket: bucket.into(),
+        shards: Vec::with_capacity(keys.len()),
+        samples: 0,
+        problems: Vec::new(),
+    };
+    let mut tables = Vec::new();
+    while let Some(file) = files.next().await {
+        let mut file = file?;
+        let at = tables.len() as u64;
+        serde_json::to_writer(&mut tables, &file.table).map_err(|e| IndexError::Format {
+            location: file.entry.key.clone(),
+            detail: e.to_string(),
+        })?;
+        tables.push(b'\n');
+        file.entry.table = Some([at, tables.len() as u64]);
+        index.samples += u64::from(file.entry.samples);
+        index.shards.push(file.entry);
+        index.problems.extend(file.problems);
+    }
+    Ok((index, tables))
+}
+
 fn join(prefix: &str, name: &str) -> String {
     if prefix.is_empty() || prefix.ends_with('/') {
         format!("{prefix}{name}")
@@ -277,10 +341,11 @@ pub async fn write_index(
         location: location.to_string(),
         detail: e.to_string(),
     })?;
+    let tables_name = index.kind.tables_name();
     match location {
         ManifestLocation::S3 { bucket, key } => {
             source
-                .put(bucket, &join(key, OFFSETS_NAME), offsets.into())
+                .put(bucket, &join(key, tables_name), offsets.into())
                 .await?;
             source
                 .put(bucket, &join(key, SUMMARY_NAME), summary.into())
@@ -292,7 +357,7 @@ pub async fn write_index(
                 source,
             };
             tokio::fs::create_dir_all(dir).await.map_err(io)?;
-            tokio::fs::write(dir.join(OFFSETS_NAME), offsets)
+            tokio::fs::write(dir.join(tables_name), offsets)
                 .await
                 .map_err(io)?;
             tokio::fs::write(dir.join(SUMMARY_NAME), summary)
@@ -303,17 +368,35 @@ pub async fn write_index(
     Ok(())
 }
 
+impl IndexKind {
+    /// The file holding the per-shard tables.
+    pub fn tables_name(self) -> &'static str {
+        match self {
+            IndexKind::WebDataset => OFFSETS_NAME,
+            IndexKind::Parquet => PARQUET_TABLES_NAME,
+        }
+    }
+}
+
 /// What a sidecar holds of the index: the summary's shard table (O(shards)) and where to
-/// range-read each shard's offsets.
+/// range-read each shard's own table.
 #[derive(Debug, Clone)]
 pub struct ShardTable {
     pub location: ManifestLocation,
+    pub kind: IndexKind,
     pub bucket: String,
     pub keys: Vec<String>,
     /// Samples per shard: what the plan shuffles over.
     pub counts: Vec<u32>,
-    /// Byte offset of each shard's table in `offsets.bin`.
-    table_at: Vec<u64>,
+    /// Where each shard's table lies in the tables file (`offsets.bin`, `parquet.jsonl`).
+    tables: Vec<[u64; 2]>,
+}
+
+/// One shard's table, read when a batch needs it.
+enum LoadedShard {
+    /// Where each sample starts, and where the last one ends.
+    Offsets(Vec<u64>),
+    Parquet(parquet::FileTable),
 }
 
 impl ShardTable {
@@ -333,18 +416,29 @@ impl ShardTable {
                 ),
             });
         }
-        let mut table_at = Vec::with_capacity(index.shards.len());
+        let mut tables = Vec::with_capacity(index.shards.len());
         let mut at = 0u64;
         for s in &index.shards {
-            table_at.push(at);
-            at += 8 * (u64::from(s.samples) + 1);
+            let table = match (index.kind, s.table) {
+                (IndexKind::WebDataset, _) => [at, at + 8 * (u64::from(s.samples) + 1)],
+                (IndexKind::Parquet, Some(t)) => t,
+                (IndexKind::Parquet, None) => {
+                    return Err(IndexError::Format {
+                        location: location.to_string(),
+                        detail: format!("file {} has no table", s.key),
+                    });
+                }
+            };
+            at = table[1];
+            tables.push(table);
         }
         Ok(ShardTable {
             location,
+            kind: index.kind,
             bucket: index.bucket,
             keys: index.shards.iter().map(|s| s.key.clone()).collect(),
             counts: index.shards.iter().map(|s| s.samples).collect(),
-            table_at,
+            tables,
         })
     }
 
@@ -352,56 +446,72 @@ impl ShardTable {
     pub fn resident_bytes(&self) -> usize {
         self.keys.iter().map(|k| k.capacity() + 24).sum::<usize>()
             + self.counts.capacity() * 4
-            + self.table_at.capacity() * 8
+            + self.tables.capacity() * 16
     }
 
-    /// Where shard `shard`'s samples start and end: one range read of `offsets.bin`.
-    pub async fn shard_offsets(
-        &self,
-        source: &S3Source,
-        shard: u32,
-    ) -> Result<Vec<u64>, IndexError> {
+    /// Shard `shard`'s own table: one range read of the tables file.
+    async fn load_shard(&self, source: &S3Source, shard: u32) -> Result<LoadedShard, IndexError> {
         let s = shard as usize;
-        let at = self.table_at[s];
-        let len = 8 * (u64::from(self.counts[s]) + 1);
-        let bytes = read(source, &self.location, OFFSETS_NAME, Some(at..at + len)).await?;
-        if bytes.len() as u64 != len {
-            return Err(IndexError::Format {
-                location: self.location.to_string(),
-                detail: format!("offsets of shard {} are cut short", self.keys[s]),
-            });
+        let [at, end] = self.tables[s];
+        let bytes = read(
+            source,
+            &self.location,
+            self.kind.tables_name(),
+            Some(at..end),
+        )
+        .await?;
+        let bad = |detail: String| IndexError::Format {
+            location: self.location.to_string(),
+            detail: format!("table of shard {}: {detail}", self.keys[s]),
+        };
+        if bytes.len() as u64 != end - at {
+            return Err(bad("cut short".into()));
         }
-        Ok(bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-            .collect())
+        Ok(match self.kind {
+            IndexKind::WebDataset => LoadedShard::Offsets(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect(),
+            ),
+            IndexKind::Parquet => LoadedShard::Parquet(
+                serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?,
+            ),
+        })
     }
 
-    /// The decode requests' samples for planned shard samples, reading each shard's offsets
+    /// The decode requests' samples for planned shard samples, reading each shard's table
     /// once per call.
     pub async fn sample_refs(
         &self,
         source: &S3Source,
         samples: &[ShardSample],
     ) -> Result<Vec<SampleRef>, IndexError> {
-        let mut tables: std::collections::HashMap<u32, Vec<u64>> = Default::default();
+        let mut tables: std::collections::HashMap<u32, LoadedShard> = Default::default();
         for s in samples {
             if let std::collections::hash_map::Entry::Vacant(e) = tables.entry(s.shard) {
-                e.insert(self.shard_offsets(source, s.shard).await?);
+                e.insert(self.load_shard(source, s.shard).await?);
             }
         }
-        Ok(samples
+        samples
             .iter()
             .map(|s| {
-                let t = &tables[&s.shard];
+                let key = &self.keys[s.shard as usize];
                 let i = s.index as usize;
-                SampleRef {
-                    key: self.keys[s.shard as usize].clone(),
-                    metadata: String::new(),
-                    range: Some(t[i]..t[i + 1]),
-                }
+                let found = match &tables[&s.shard] {
+                    LoadedShard::Offsets(t) => t.get(i..i + 2).map(|w| SampleRef {
+                        key: key.clone(),
+                        range: Some(w[0]..w[1]),
+                        ..SampleRef::default()
+                    }),
+                    LoadedShard::Parquet(t) => t.sample_ref(key, s.index),
+                };
+                found.ok_or_else(|| IndexError::Format {
+                    location: self.location.to_string(),
+                    detail: format!("shard {key} has no sample {i}"),
+                })
             })
-            .collect())
+            .collect()
     }
 }
 
