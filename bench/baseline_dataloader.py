@@ -55,7 +55,8 @@ def list_keys(endpoint, bucket, prefix):
     return keys
 
 
-def main():
+def parse_args():
+    """The options both baselines take: where the images are, workers, batch and crop size."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--bucket", required=True)
@@ -67,6 +68,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=4, help="batches not timed")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    return args
+
+
+def main():
+    args = parse_args()
     torch.set_num_threads(1)
     keys = list_keys(args.endpoint, args.bucket, args.prefix)
     ds = S3ImageDataset(args.endpoint, args.bucket, keys, args.size)

@@ -42,16 +42,15 @@ if [ ! -f "$DATA/imagenet/.done" ]; then
   touch "$DATA/imagenet/.done"
 fi
 SERVE=$(mktemp -d)
+STAGE=$(mktemp -d)
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$SERVE"; }
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$SERVE" "$STAGE"; }
 trap cleanup EXIT
-SRC=$(mktemp -d -p "$SERVE")
-find "$DATA/imagenet" -maxdepth 1 -type f ! -name '.done' -exec ln {} "$SRC/" \; 2>/dev/null \
-  || find "$DATA/imagenet" -maxdepth 1 -type f ! -name '.done' -exec cp {} "$SRC/" \;
-"$PY" bench/make_sources.py --src "$SRC" --out "$SERVE/data" --per-shard "$PER_SHARD" \
+mkdir -p "$STAGE/src"
+find "$DATA/imagenet" -maxdepth 1 -type f ! -name '.done' -exec ln {} "$STAGE/src/" \; 2>/dev/null \
+  || find "$DATA/imagenet" -maxdepth 1 -type f ! -name '.done' -exec cp {} "$STAGE/src/" \;
+"$PY" bench/make_sources.py --src "$STAGE/src" --out "$STAGE/data" --per-shard "$PER_SHARD" \
   --page-size "$PAGE_SIZE"
-rm -rf "$SRC"
-mkdir -p "$SERVE/index"
 
 "$BIN/stoker-s3" --root "$SERVE" --port "$S3_PORT" \
   --access-key "$AWS_ACCESS_KEY_ID" --secret-key "$AWS_SECRET_ACCESS_KEY" >/dev/null 2>&1 &
@@ -59,9 +58,13 @@ PIDS+=("$!")
 ENDPOINT="http://127.0.0.1:$S3_PORT"
 for _ in $(seq 100); do (echo >/dev/tcp/127.0.0.1/"$S3_PORT") 2>/dev/null && break; sleep 0.1; done
 S3=(--endpoint "$ENDPOINT" --force-path-style)
+# Uploaded, not copied into the server's root: see bench/upload.py.
+"$PY" bench/upload.py --endpoint "$ENDPOINT" --bucket data --dir "$STAGE/data"
+mkdir -p "$STAGE/none"
+"$PY" bench/upload.py --endpoint "$ENDPOINT" --bucket index --dir "$STAGE/none" >/dev/null
 
-N=$(find "$SERVE/data/objects" -type f | wc -l)
-echo "== $N images ($(du -sh "$SERVE/data/objects" | cut -f1)), $PER_SHARD per shard, Parquet pages of $PAGE_SIZE bytes, $CORES cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
+N=$(find "$STAGE/data/objects" -type f | wc -l)
+echo "== $N images ($(du -sh "$STAGE/data/objects" | cut -f1)), $PER_SHARD per shard, Parquet pages of $PAGE_SIZE bytes, $CORES cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
 for kind in shards parquet; do
   flag=--shards; [ "$kind" = parquet ] && flag=--parquet
   extra=(); [ "$kind" = parquet ] && extra=(--columns caption,label)
@@ -85,9 +88,10 @@ for kind in objects shards parquet; do
   BYTES=$(counter stoker_loader_bytes_in_total)
   kill -TERM "$WPID"; wait "$WPID" || true
   LINE=$(OUT="$OUT" "$PY" -c 'import json, os, sys
-o = json.loads(os.environ["OUT"]); n = int(sys.argv[2]) * int(sys.argv[3])
-print(f"{sys.argv[1]:8s} stoker {o[\"images_per_second\"]:7.1f} images/s | "
-      f"{float(sys.argv[4]) / n:.3f} GETs/image | {float(sys.argv[5]) / n / 1024:.1f} KiB read/image")' \
+rate = json.loads(os.environ["OUT"])["images_per_second"]
+n = int(sys.argv[2]) * int(sys.argv[3])
+gets, read = float(sys.argv[4]) / n, float(sys.argv[5]) / n / 1024
+print(f"{sys.argv[1]:8s} stoker {rate:7.1f} images/s | {gets:.3f} GETs/image | {read:.1f} KiB read/image")' \
       "$kind" "$N" "$EPOCHS" "$GETS" "$BYTES")
   echo "$LINE"
   RESULTS+=("$LINE")
@@ -106,8 +110,9 @@ done
 SHARDS_RATE=$(printf '%s\n' "${RESULTS[@]}" | awk '$1 == "shards" {print $3}')
 RESULTS+=("$(B="$BEST" "$PY" -c 'import json, os, sys
 b = json.loads(os.environ["B"]); s = float(sys.argv[1])
-print(f"baseline DataLoader + webdataset over the shards: {b[\"images_per_second\"]:.1f} images/s "
-      f"(best: {b[\"workers\"]} workers); stoker on shards {s / b[\"images_per_second\"]:.2f}x")' "$SHARDS_RATE")")
+rate, workers = b["images_per_second"], b["workers"]
+print(f"baseline DataLoader + webdataset over the shards: {rate:.1f} images/s "
+      f"(best: {workers} workers); stoker on shards {s / rate:.2f}x")' "$SHARDS_RATE")")
 echo
 echo "== summary ($N images, $CORES cores, $(date -u '+%F %H:%M'), load $(cut -d' ' -f1-3 /proc/loadavg))"
 printf '%s\n' "${RESULTS[@]}"

@@ -6,12 +6,11 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::process::Command;
 
 use common::*;
 use stoker_loader::index::ShardTable;
 use stoker_loader::index::parquet::FileTable;
-use stoker_loader::sidecar::plan::{Cursor, PlanConfig, Shard};
+use stoker_loader::sidecar::plan::Cursor;
 use stoker_loader::source::ManifestLocation;
 use stoker_testenv::s3::S3Server;
 
@@ -51,35 +50,6 @@ for f in range(files):
                    write_batch_size=2, **settings[f % len(settings)])
 "#;
 
-fn write_files(server: &S3Server, prefix: &str, files: usize, per: usize) {
-    let dir = server.root().join(BUCKET).join(prefix);
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = Command::new(python())
-        .args(["-c", WRITE_FILES])
-        .arg(&dir)
-        .args([files.to_string(), per.to_string()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "writing parquet: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn plan(rank: u32, world: u32, batch: usize) -> PlanConfig {
-    PlanConfig {
-        seed: 11,
-        batch_size: batch,
-        drop_last: false,
-        shuffle: true,
-        shard: Shard {
-            rank,
-            world_size: world,
-        },
-    }
-}
-
 /// The index's table of file `n` (one JSON line of `parquet.jsonl` per file, in key order).
 fn file_table(server: &S3Server, n: usize) -> FileTable {
     let tables = std::fs::read_to_string(
@@ -99,7 +69,7 @@ async fn every_row_once_across_four_ranks_with_captions_labels_and_a_corrupt_pag
     let server = S3Server::start(dir.path()).unwrap();
     server.create_bucket(INDEX_BUCKET).unwrap();
     let (files, per) = (4, 60);
-    write_files(&server, "pq", files, per);
+    write_with_python(&server, WRITE_FILES, "pq", files, per);
 
     let summary = index_process(
         &server,
@@ -153,7 +123,7 @@ async fn every_row_once_across_four_ranks_with_captions_labels_and_a_corrupt_pag
     let mut worker = worker(Some(&server), 2).await;
     let mut delivered = Vec::new();
     for rank in 0..4 {
-        for batch in plan(rank, 4, 16).shard_plan_from(&table.counts, 50, Cursor::default()) {
+        for batch in shard_plan(rank, 4, 16).shard_plan_from(&table.counts, 50, Cursor::default()) {
             delivered
                 .extend(decode_shard_samples(&mut worker, &table, &source, &batch.samples).await);
         }
@@ -201,7 +171,7 @@ async fn a_cut_file_and_a_missing_column_are_reported_at_index_time() {
     let dir = tempfile::tempdir().unwrap();
     let server = S3Server::start(dir.path()).unwrap();
     server.create_bucket(INDEX_BUCKET).unwrap();
-    write_files(&server, "pq", 2, 20);
+    write_with_python(&server, WRITE_FILES, "pq", 2, 20);
     let path = server.root().join(BUCKET).join("pq/00001.parquet");
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
@@ -231,18 +201,9 @@ async fn a_cut_file_and_a_missing_column_are_reported_at_index_time() {
     );
 
     // A column the files do not have fails the build, naming the columns they do have.
-    let out = Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
-        .args([
-            "index",
-            "--parquet",
-            &format!("s3://{BUCKET}/pq/00000.parquet"),
-        ])
+    let file = format!("s3://{BUCKET}/pq/00000.parquet");
+    let out = loader_command(&server, &["index", "--parquet", &file])
         .args(["--columns", "caption,score", "--out", "/dev/null/unused"])
-        .args(["--endpoint", &server.endpoint(), "--region", "us-east-1"])
-        .arg("--force-path-style")
-        .env("AWS_ACCESS_KEY_ID", server.access_key())
-        .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
-        .env("AWS_EC2_METADATA_DISABLED", "true")
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -261,24 +222,19 @@ fn profile_over_the_index_reports_what_a_page_costs() {
     let dir = tempfile::tempdir().unwrap();
     let server = S3Server::start(dir.path()).unwrap();
     server.create_bucket(INDEX_BUCKET).unwrap();
-    write_files(&server, "pq", 2, 60);
+    write_with_python(&server, WRITE_FILES, "pq", 2, 60);
     let out = format!("s3://{INDEX_BUCKET}/pq/");
     index_process(
         &server,
         &["--parquet", &format!("s3://{BUCKET}/pq/"), "--out", &out],
     );
-    let run = Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
-        .args([
-            "profile", "--bucket", BUCKET, "--index", &out, "--sample", "64",
-        ])
+    let profile = [
+        "profile", "--bucket", BUCKET, "--index", &out, "--sample", "64",
+    ];
+    let run = loader_command(&server, &profile)
         .args([
             "--resize", "crop", "--width", "16", "--height", "16", "--json",
         ])
-        .args(["--endpoint", &server.endpoint(), "--region", "us-east-1"])
-        .arg("--force-path-style")
-        .env("AWS_ACCESS_KEY_ID", server.access_key())
-        .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
-        .env("AWS_EC2_METADATA_DISABLED", "true")
         .output()
         .unwrap();
     assert!(

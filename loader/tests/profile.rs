@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use common::*;
 use serde_json::Value;
 use stoker_testenv::s3::S3Server;
@@ -39,20 +37,16 @@ fn dataset() -> (tempfile::TempDir, S3Server) {
 }
 
 fn profile(server: &S3Server, extra: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
-        .args(["profile", "--bucket", BUCKET, "--prefix", "imgs/"])
-        .args(["--sample", &SAMPLE.to_string()])
-        .args(["--target-rate", &TARGET_RATE.to_string()])
-        .args(["--resize", "crop", "--width", "448", "--height", "448"])
-        .args(["--endpoint", &server.endpoint(), "--region", "us-east-1"])
-        .arg("--force-path-style")
-        .args(extra)
-        .env("AWS_ACCESS_KEY_ID", server.access_key())
-        .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
-        .env("AWS_EC2_METADATA_DISABLED", "true")
-        .env_remove("AWS_PROFILE")
-        .output()
-        .unwrap();
+    let out = loader_command(
+        server,
+        &["profile", "--bucket", BUCKET, "--prefix", "imgs/"],
+    )
+    .args(["--sample", &SAMPLE.to_string()])
+    .args(["--target-rate", &TARGET_RATE.to_string()])
+    .args(["--resize", "crop", "--width", "448", "--height", "448"])
+    .args(extra)
+    .output()
+    .unwrap();
     assert!(
         out.status.success(),
         "profile failed: {}",

@@ -12,7 +12,7 @@ use common::*;
 use sidecar_support::{decode_worker, sidecar};
 use stoker_loader::index::{ShardTable, build_webdataset, resolve_shards};
 use stoker_loader::sidecar::client::TrainerClient;
-use stoker_loader::sidecar::plan::{Cursor, PlanConfig, Shard};
+use stoker_loader::sidecar::plan::{Cursor, PlanConfig};
 use stoker_loader::sidecar::protocol::Reply;
 use stoker_loader::source::ManifestLocation;
 use stoker_testenv::s3::S3Server;
@@ -36,42 +36,13 @@ for s in range(shards):
             w.write({"__key__": f"s{n:07d}", "jpg": buf.getvalue(), "txt": f"caption {n}", "cls": n % 10})
 "#;
 
-fn write_shards(server: &S3Server, prefix: &str, shards: usize, per: usize) {
-    let dir = server.root().join(BUCKET).join(prefix);
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = Command::new(python())
-        .args(["-c", WRITE_SHARDS])
-        .arg(&dir)
-        .args([shards.to_string(), per.to_string()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "writing shards: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn plan(rank: u32, world: u32, batch: usize) -> PlanConfig {
-    PlanConfig {
-        seed: 7,
-        batch_size: batch,
-        drop_last: false,
-        shuffle: true,
-        shard: Shard {
-            rank,
-            world_size: world,
-        },
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_sample_once_across_four_ranks_with_captions_labels_and_a_truncated_shard() {
     let dir = tempfile::tempdir().unwrap();
     let server = S3Server::start(dir.path()).unwrap();
     server.create_bucket(INDEX_BUCKET).unwrap();
     let (shards, per) = (6, 50);
-    write_shards(&server, "wds", shards, per);
+    write_with_python(&server, WRITE_SHARDS, "wds", shards, per);
 
     // The index, built by its own process into a bucket apart from the data.
     let summary = index_process(
@@ -104,7 +75,8 @@ async fn every_sample_once_across_four_ranks_with_captions_labels_and_a_truncate
     let mut delivered = Vec::new();
     let mut batches = 0usize;
     for rank in 0..4 {
-        for batch in plan(rank, 4, 16).shard_plan_from(&table.counts, 120, Cursor::default()) {
+        for batch in shard_plan(rank, 4, 16).shard_plan_from(&table.counts, 120, Cursor::default())
+        {
             delivered
                 .extend(decode_shard_samples(&mut worker, &table, &source, &batch.samples).await);
             batches += 1;
@@ -162,7 +134,7 @@ async fn every_sample_once_across_four_ranks_with_captions_labels_and_a_truncate
     let before = get_requests(&worker);
     let ordered = PlanConfig {
         shuffle: false,
-        ..plan(0, 1, 25)
+        ..shard_plan(0, 1, 25)
     };
     let first = ordered
         .shard_plan_from(&table.counts, 120, Cursor::default())
@@ -182,7 +154,7 @@ async fn a_resume_mid_shard_decodes_the_remaining_order_and_a_cut_shard_is_repor
 {
     let dir = tempfile::tempdir().unwrap();
     let server = S3Server::start(dir.path()).unwrap();
-    write_shards(&server, "wds", 3, 40);
+    write_with_python(&server, WRITE_SHARDS, "wds", 3, 40);
     // Truncated before indexing: the index keeps the complete samples and says what it left.
     let last = server.root().join(BUCKET).join("wds/00002.tar");
     let bytes = std::fs::read(&last).unwrap();
@@ -232,7 +204,7 @@ async fn a_resume_mid_shard_decodes_the_remaining_order_and_a_cut_shard_is_repor
             })
             .collect()
     };
-    let full: Vec<_> = plan(1, 2, 8)
+    let full: Vec<_> = shard_plan(1, 2, 8)
         .shard_plan_from(
             &table.counts,
             30,
@@ -249,7 +221,7 @@ async fn a_resume_mid_shard_decodes_the_remaining_order_and_a_cut_shard_is_repor
         ));
     }
     let position = full[2].position;
-    let resumed: Vec<_> = plan(1, 2, 8)
+    let resumed: Vec<_> = shard_plan(1, 2, 8)
         .shard_plan_from(&table.counts, 30, Cursor { epoch: 3, position })
         .collect();
     let mut resumed_keys = Vec::new();
@@ -326,7 +298,8 @@ async fn two_hundred_thousand_samples_plan_in_o_shards_memory_and_the_first_batc
     let location = ManifestLocation::parse(&format!("s3://{INDEX_BUCKET}/big/"));
     let table = ShardTable::load(&source, location).await.unwrap();
     let window = stoker_loader::sidecar::plan::DEFAULT_SHUFFLE_WINDOW;
-    let mut batches = plan(3, 8, 32).shard_plan_from(&table.counts, window, Cursor::default());
+    let mut batches =
+        shard_plan(3, 8, 32).shard_plan_from(&table.counts, window, Cursor::default());
     let first = batches.next().unwrap();
     let got = decode_shard_samples(&mut worker, &table, &source, &first.samples).await;
     let first_batch = t0.elapsed();
@@ -355,7 +328,7 @@ fn sidecars_over_the_index_deliver_every_sample_once_per_epoch_and_resume_in_ord
     let server = S3Server::start(dir.path()).unwrap();
     server.create_bucket(INDEX_BUCKET).unwrap();
     let (shards, per) = (4, 30);
-    write_shards(&server, "wds", shards, per);
+    write_with_python(&server, WRITE_SHARDS, "wds", shards, per);
     index_process(
         &server,
         &[

@@ -294,19 +294,58 @@ pub fn python() -> std::path::PathBuf {
     std::path::Path::new(venv.trim()).join("bin/python")
 }
 
-/// Runs `stoker-loader index` as its own process; returns its JSON summary line.
-pub fn index_process(server: &S3Server, args: &[&str]) -> serde_json::Value {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stoker-loader"))
-        .arg("index")
-        .args(args)
+/// The `stoker-loader` binary with `args`, pointed at `server` with its credentials.
+pub fn loader_command(server: &S3Server, args: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_stoker-loader"));
+    cmd.args(args)
         .args(["--endpoint", &server.endpoint(), "--region", "us-east-1"])
         .arg("--force-path-style")
         .env("AWS_ACCESS_KEY_ID", server.access_key())
         .env("AWS_SECRET_ACCESS_KEY", server.secret_key())
         .env("AWS_EC2_METADATA_DISABLED", "true")
-        .env_remove("AWS_PROFILE")
+        .env_remove("AWS_PROFILE");
+    cmd
+}
+
+/// Writes a dataset under `prefix` of the data bucket with the test venv's python running
+/// `script` with the directory, `files` and `per` as arguments (the `webdataset` and `pyarrow`
+/// writers).
+pub fn write_with_python(server: &S3Server, script: &str, prefix: &str, files: usize, per: usize) {
+    let dir = server.root().join(BUCKET).join(prefix);
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = std::process::Command::new(python())
+        .args(["-c", script])
+        .arg(&dir)
+        .args([files.to_string(), per.to_string()])
         .output()
         .unwrap();
+    assert!(
+        out.status.success(),
+        "writing the dataset: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Rank `rank` of `world`'s shuffled plan, batches of `batch`, seed 7.
+pub fn shard_plan(rank: u32, world: u32, batch: usize) -> stoker_loader::sidecar::plan::PlanConfig {
+    use stoker_loader::sidecar::plan::{PlanConfig, Shard};
+    PlanConfig {
+        seed: 7,
+        batch_size: batch,
+        drop_last: false,
+        shuffle: true,
+        shard: Shard {
+            rank,
+            world_size: world,
+        },
+    }
+}
+
+/// Runs `stoker-loader index` as its own process; returns its JSON summary line.
+pub fn index_process(server: &S3Server, args: &[&str]) -> serde_json::Value {
+    let mut full = vec!["index"];
+    full.extend_from_slice(args);
+    let out = loader_command(server, &full).output().unwrap();
     assert!(
         out.status.success(),
         "index failed: {}",
