@@ -9,8 +9,8 @@
 //!   ends, as little-endian u64 (8 bytes per sample + 8 per shard). A sidecar range-reads one
 //!   shard's table when the shuffle window reaches that shard and drops it after.
 //! - `parquet.jsonl` (Parquet): per file one JSON line ([`parquet::FileTable`]): the image
-//!   column's pages (about 60 bytes each) and each row's metadata columns as JSON (the
-//!   caption's size plus ~15 bytes per row); the summary gives each line's byte range.
+//!   column's pages (about 55 bytes each) and each row's metadata columns as a JSON string
+//!   (about 70 bytes for a short caption and a label); the summary gives each line's byte range.
 //!
 //! Where it lives: a location the user names, separate from the data, so the data's
 //! credentials stay read-only (only the index Job needs write access there). The summary fits
