@@ -505,3 +505,68 @@ fn first_batch_at_scale() {
         sidecar_support::rss_kib(rank.proc.pid())
     );
 }
+
+/// By hand: a simulated index of 10 M samples (1,000 shards of 10,000, offsets of 10 KB
+/// samples, in a local directory: no shards behind it), to size the index and time what a
+/// sidecar does with it before its first decode: load the summary, plan rank 3 of 8, range-read
+/// the first batch's offsets. Its plan state is checked against the same O(shards) bound.
+/// `cargo test -p stoker-loader --test webdataset -- --ignored --nocapture ten_million`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn ten_million_samples_simulated_index() {
+    use stoker_loader::index::{DatasetIndex, INDEX_VERSION, IndexKind, ShardEntry, write_index};
+    let (shards, per) = (1000usize, 10_000u32);
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path()).unwrap();
+    let (source, _) = source(&server).await;
+    let mut offsets = Vec::with_capacity(shards * (per as usize + 1) * 8);
+    let index = DatasetIndex {
+        version: INDEX_VERSION,
+        kind: IndexKind::WebDataset,
+        bucket: BUCKET.into(),
+        shards: (0..shards)
+            .map(|s| {
+                for i in 0..=u64::from(per) {
+                    offsets.extend_from_slice(&(i * 10_240).to_le_bytes());
+                }
+                ShardEntry {
+                    key: format!("laion/{s:05}.tar"),
+                    samples: per,
+                    bytes: u64::from(per) * 10_240,
+                    table: None,
+                }
+            })
+            .collect(),
+        samples: shards as u64 * u64::from(per),
+        problems: Vec::new(),
+    };
+    let at = dir.path().join("index");
+    let location = ManifestLocation::parse(at.to_str().unwrap());
+    write_index(&source, &location, &index, offsets)
+        .await
+        .unwrap();
+    let size = |name: &str| std::fs::metadata(at.join(name)).unwrap().len();
+
+    let t0 = std::time::Instant::now();
+    let table = ShardTable::load(&source, location).await.unwrap();
+    let loaded = t0.elapsed();
+    let window = stoker_loader::sidecar::plan::DEFAULT_SHUFFLE_WINDOW;
+    let mut batches =
+        shard_plan(3, 8, 32).shard_plan_from(&table.counts, window, Cursor::default());
+    let first = batches.next().unwrap();
+    let refs = table.sample_refs(&source, &first.samples).await.unwrap();
+    let resolved = t0.elapsed();
+    assert_eq!(refs.len(), 32);
+    let plan_bytes = table.resident_bytes() + batches.state_bytes();
+    let bound = 128 * shards + 8 * window + 1024;
+    eprintln!(
+        "10 M samples: index.json {} bytes, offsets.bin {} bytes; summary loaded in {:.0} ms, \
+         first batch planned and resolved {:.0} ms after the start; plan state {plan_bytes} \
+         bytes (bound {bound})",
+        size("index.json"),
+        size("offsets.bin"),
+        loaded.as_secs_f64() * 1e3,
+        resolved.as_secs_f64() * 1e3,
+    );
+    assert!(plan_bytes <= bound, "{plan_bytes} > {bound}");
+}
