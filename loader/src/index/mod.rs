@@ -1,7 +1,8 @@
 //! The dataset index, built once per pipeline by `stoker-loader index` and read by sidecars
 //! instead of listing the dataset.
 //!
-//! Two objects under one location (`s3://bucket/prefix/` or a directory):
+//! Two objects under one location (`s3://bucket/prefix/` or a directory), the summary and the
+//! per-shard tables of the dataset's kind:
 //! - `index.json`, the summary: per shard its key, sample count and size (O(shards); about
 //!   60 bytes per shard as JSON, so 4,096 shards are ~250 KB) and the samples the build could
 //!   not index, each with its shard and reason. This is all a sidecar loads at start.
