@@ -6,7 +6,6 @@ mod common;
 mod sidecar_support;
 
 use std::collections::HashSet;
-use std::process::Command;
 
 use common::*;
 use sidecar_support::{decode_worker, sidecar};
@@ -258,20 +257,8 @@ async fn two_hundred_thousand_samples_plan_in_o_shards_memory_and_the_first_batc
     let server = S3Server::start(dir.path()).unwrap();
     server.create_bucket(INDEX_BUCKET).unwrap();
     let (shards, per) = (20usize, 10_000usize);
-    let data = server.root().join(BUCKET).join("big");
-    std::fs::create_dir_all(&data).unwrap();
     let t = std::time::Instant::now();
-    let out = Command::new(python())
-        .args(["-c", WRITE_MANY_SHARDS])
-        .arg(&data)
-        .args([shards.to_string(), per.to_string()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    write_with_python(&server, WRITE_MANY_SHARDS, "big", shards, per);
     eprintln!(
         "wrote {} samples in {:.1} s",
         shards * per,
@@ -431,20 +418,8 @@ fn first_batch_at_scale() {
     let dir = tempfile::tempdir().unwrap();
     let server = S3Server::start(dir.path()).unwrap();
     server.create_bucket(INDEX_BUCKET).unwrap();
-    let data = server.root().join(BUCKET).join("big");
-    std::fs::create_dir_all(&data).unwrap();
     let t = std::time::Instant::now();
-    let out = Command::new(python())
-        .args(["-c", WRITE_MANY_SHARDS])
-        .arg(&data)
-        .args([shards.to_string(), per.to_string()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    write_with_python(&server, WRITE_MANY_SHARDS, "big", shards, per);
     eprintln!(
         "wrote {} samples in {shards} shards in {:.1} s",
         shards * per,

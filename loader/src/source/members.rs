@@ -185,6 +185,7 @@ pub async fn fetch_samples(
                     .as_ref()
                     .and_then(|d| dictionaries.get(&(span.key.as_str(), d.start)));
                 let page = Page {
+                    key: &span.key,
                     span: bytes,
                     span_start: span.range.start,
                     range,
@@ -216,10 +217,11 @@ pub async fn fetch_samples(
 }
 
 /// Decoded pages of one span, by their start: each page is decoded once for all its rows.
-type DecodedPages = HashMap<u64, Result<Vec<Option<Bytes>>, (SkipReason, String)>>;
+type DecodedPages = HashMap<u64, Result<Vec<Option<Bytes>>, SkipReason>>;
 
 /// A Parquet row's data page inside its span, with its dictionary page when it needs one.
 struct Page<'a> {
+    key: &'a str,
     span: &'a Bytes,
     span_start: u64,
     range: Range<u64>,
@@ -232,19 +234,20 @@ impl Page<'_> {
     /// truncated; one that does not decode (bad compression, levels or lengths) is corrupt,
     /// for each of its rows; a row without an image is empty.
     fn row(&self, pages: &mut DecodedPages) -> Result<Bytes, SkipReason> {
-        let decoded = pages
-            .entry(self.range.start)
-            .or_insert_with(|| self.decode());
+        // A page that does not decode is logged once, with why; each of its rows is skipped.
+        let decoded = pages.entry(self.range.start).or_insert_with(|| {
+            self.decode().map_err(|(reason, detail)| {
+                tracing::warn!(key = %self.key, range = ?self.range, %detail, "parquet page does not decode");
+                reason
+            })
+        });
         match decoded {
             Ok(rows) => rows
                 .get(self.value.row as usize)
                 .cloned()
                 .ok_or(SkipReason::Corrupt)?
                 .ok_or(SkipReason::Empty),
-            Err((reason, detail)) => {
-                tracing::warn!(range = ?self.range, %detail, "parquet page does not decode");
-                Err(*reason)
-            }
+            Err(reason) => Err(*reason),
         }
     }
 
