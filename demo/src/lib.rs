@@ -7,8 +7,10 @@
 //!     the trainer is fed.
 //!
 //! Every part is real: the control plane and its scheduler, the operator (in this process) with
-//! its webhook and autoscaler, Prometheus, the S3 server, and `stoker-loader` decode workers and
-//! sidecars running as processes inside per-node network namespaces whose NICs `tc` limits.
+//! its webhook and autoscaler, Prometheus, the S3 server, and the pods: `stoker-loader` decode
+//! workers and sidecars from stoker's image and the trainer as its non-root user, each in runc
+//! with its securityContext and CPU and memory limits, inside per-node network namespaces whose
+//! NICs `tc` limits.
 
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -17,11 +19,12 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, CustomResourceExt, ResourceExt};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use stoker_operator::api::DataPipeline;
 use stoker_operator::autoscale::{AutoscalerSettings, AutoscalingPolicy};
 use stoker_operator::build::BuildDefaults;
+use stoker_operator::build::sidecar::SIDECAR_NAME;
 use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
 use stoker_operator::{CancellationToken, Config};
@@ -30,7 +33,7 @@ use stoker_testenv::cluster::{
     restricted_pod_security,
 };
 use stoker_testenv::prometheus::Prometheus;
-use stoker_testenv::runtime::NodeRuntime;
+use stoker_testenv::runtime::{ImageConfig, ImageMapping, ImageSource, NodeRuntime};
 use stoker_testenv::s3::S3Server;
 
 pub const NAMESPACE: &str = "training";
@@ -42,6 +45,51 @@ pub const TRAINER_IMAGE: &str = "ghcr.io/stoker-dev/stoker-sim-trainer:0.1.0";
 /// The trainer's user: not root, and not the sidecar's 65532 (the ring is shared through a
 /// group the webhook adds, as on a cluster).
 pub const TRAINER_UID: i64 = 1000;
+
+/// The injected sidecar's CPU request and limit in millicores: the chart's default (values.yaml
+/// `loader.sidecar.cpu`).
+pub const SIDECAR_CPU_MILLIS: u32 = 1000;
+
+/// The simulated trainer's image: `python trainer.py` in runc as [`TRAINER_UID`], from a
+/// test image of this machine's system directories plus, read-only, the venv of `python`, the
+/// Python installation it links to and the trainer's directory; `out` (the reports and keys the
+/// story reads) is bound writable and handed to the trainer's user.
+pub fn trainer_image(python: &Path, trainer: &Path, out: &Path) -> Result<ImageMapping> {
+    let prefixes = std::process::Command::new(python)
+        .args([
+            "-c",
+            "import sys; print(sys.prefix); print(sys.base_prefix)",
+        ])
+        .output()
+        .with_context(|| format!("running {}", python.display()))?;
+    if !prefixes.status.success() {
+        bail!("{} -c 'import sys' failed", python.display());
+    }
+    let mut binds: Vec<PathBuf> = String::from_utf8_lossy(&prefixes.stdout)
+        .lines()
+        .map(PathBuf::from)
+        // /usr is in every host-rootfs image already.
+        .filter(|p| !p.starts_with("/usr"))
+        .collect();
+    let dir = trainer.parent().context("the trainer script's directory")?;
+    binds.push(dir.to_path_buf());
+    binds.dedup();
+    std::fs::create_dir_all(out)?;
+    let uid = TRAINER_UID as u32;
+    std::os::unix::fs::chown(out, Some(uid), Some(uid))
+        .with_context(|| format!("chown {} to the trainer's user", out.display()))?;
+    Ok(ImageMapping::container(
+        "*stoker-sim-trainer*",
+        ImageSource::HostRootfs {
+            binds,
+            writable: vec![out.to_path_buf()],
+            config: ImageConfig {
+                entrypoint: vec![python.display().to_string(), trainer.display().to_string()],
+                ..ImageConfig::default()
+            },
+        },
+    ))
+}
 
 /// CPU nodes' NICs in Mbit/s: 25 Gb/s scaled so that one decoder node cannot carry what the
 /// trainer consumes (~190 images/s at ~280 KB each, ~45/s fit) while eight together can.
@@ -81,6 +129,8 @@ pub struct StoryOptions {
     pub kill_decoder_after: Option<Duration>,
     /// Reports, delivered-key logs.
     pub work_dir: PathBuf,
+    /// The injected sidecar's CPU request and limit, in millicores.
+    pub sidecar_cpu_millis: u32,
 }
 
 impl Default for StoryOptions {
@@ -98,6 +148,7 @@ impl Default for StoryOptions {
             epochs: 0,
             kill_decoder_after: None,
             work_dir: std::env::temp_dir().join("stoker-demo"),
+            sidecar_cpu_millis: SIDECAR_CPU_MILLIS,
         }
     }
 }
@@ -113,6 +164,9 @@ pub struct Tick {
     pub nodes: usize,
     pub busiest_nic_pct: f64,
     pub busiest_nic_node: String,
+    /// CPUs the trainer pod's loader sidecar used since the last tick (its cgroup's usage over
+    /// wall time; 0 in the baseline, which has no sidecar).
+    pub sidecar_cpus: f64,
 }
 
 /// One autoscaler decision, as `status.lastScale` recorded it.
@@ -141,6 +195,9 @@ pub struct StoryReport {
     /// `<epoch> <key>` per delivered sample, `<epoch> <key> skip:<reason>` per skip.
     pub keys_file: PathBuf,
     pub killed_decoder: Option<String>,
+    /// The most CPUs the sidecar used over one tick, and its CPU limit.
+    pub sidecar_cpus_peak: f64,
+    pub sidecar_cpu_limit: f64,
 }
 
 /// What the story runs against; the caller owns their lifetimes.
@@ -163,13 +220,94 @@ pub async fn run(
     let client = stage.cluster.client().await?;
     install_crd(&client).await?;
     create_namespace(&client, stage.s3).await?;
-    let operator = start_operator(&client, stage).await?;
+    let operator = start_operator(&client, stage, opts).await?;
     let result = story(&client, stage, opts, &mut on_tick, &mut on_decision).await;
     operator.cancel();
     let _ = Api::<Namespace>::all(client.clone())
         .delete(NAMESPACE, &DeleteParams::background())
         .await;
     result
+}
+
+/// What [`local_decode`] measured.
+#[derive(Clone, Debug)]
+pub struct LocalDecodeReport {
+    /// `<epoch> <key>` per delivered sample.
+    pub keys_file: PathBuf,
+    /// CPU time the sidecar used while it was measured, over that wall time.
+    pub sidecar_cpu: Duration,
+    pub wall: Duration,
+}
+
+impl LocalDecodeReport {
+    pub fn sidecar_cpus(&self) -> f64 {
+        self.sidecar_cpu.as_secs_f64() / self.wall.as_secs_f64().max(0.001)
+    }
+}
+
+/// The sidecar on its own: a DataPipeline with no decoders, so the trainer's sidecar decodes
+/// every batch itself for `opts.epochs` epochs while the trainer takes them as fast as they
+/// come (`opts.step_ms` per batch). Its CPU time is sampled from its cgroup every half second.
+pub async fn local_decode(stage: &Stage<'_>, opts: &StoryOptions) -> Result<LocalDecodeReport> {
+    std::fs::create_dir_all(&opts.work_dir)?;
+    let client = stage.cluster.client().await?;
+    install_crd(&client).await?;
+    create_namespace(&client, stage.s3).await?;
+    let operator = start_operator(&client, stage, opts).await?;
+    let result = measure_local_decode(&client, stage, opts).await;
+    operator.cancel();
+    let _ = Api::<Namespace>::all(client.clone())
+        .delete(NAMESPACE, &DeleteParams::background())
+        .await;
+    result
+}
+
+async fn measure_local_decode(
+    client: &Client,
+    stage: &Stage<'_>,
+    opts: &StoryOptions,
+) -> Result<LocalDecodeReport> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let dps: Api<DataPipeline> = Api::namespaced(client.clone(), NAMESPACE);
+    let mut dp = serde_json::to_value(pipeline(opts, stage))?;
+    dp["spec"]["decoders"]["minReplicas"] = 0.into();
+    dp["spec"]["autoscaling"] = json!({"mode": "fixed", "replicas": 0});
+    dps.create(&PostParams::default(), &serde_json::from_value(dp)?)
+        .await
+        .context("create the DataPipeline")?;
+    let report = opts.work_dir.join("local.jsonl");
+    let keys_file = opts.work_dir.join("local-keys.txt");
+    let _ = std::fs::remove_file(&keys_file);
+    let trainer = trainer_pod("trainer-0", Some(&keys_file), opts, &report, stage);
+    create_when_webhook_ready(&pods, &trainer).await?;
+    let uid = pods.get("trainer-0").await?.uid().unwrap_or_default();
+    let deadline = Instant::now() + opts.recover_timeout;
+    // (time, CPU) at the first and the latest reading of the running sidecar.
+    let mut first: Option<(Instant, Duration)> = None;
+    let mut last = None;
+    while !trainer_finished(&pods).await? {
+        if Instant::now() > deadline {
+            bail!("the trainer did not finish {} epochs in time", opts.epochs);
+        }
+        if let Some(cpu) = stage.runtime.container_cpu(&uid, SIDECAR_NAME) {
+            let now = (Instant::now(), cpu);
+            first.get_or_insert(now);
+            last = Some(now);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (Some(first), Some(last)) = (first, last) else {
+        bail!("the sidecar's CPU time was never read (is it running in runc?)");
+    };
+    pods.delete("trainer-0", &DeleteParams::default().grace_period(0))
+        .await
+        .ok();
+    dps.delete(PIPELINE, &DeleteParams::background()).await.ok();
+    Ok(LocalDecodeReport {
+        keys_file,
+        sidecar_cpu: last.1.saturating_sub(first.1),
+        wall: last.0 - first.0,
+    })
 }
 
 async fn story(
@@ -220,6 +358,7 @@ async fn story(
     let _ = std::fs::remove_file(&keys_file);
     let trainer = trainer_pod("trainer-0", Some(&keys_file), opts, &report_b, stage);
     create_when_webhook_ready(&pods, &trainer).await?;
+    watch.sidecar = Some((pods.get("trainer-0").await?.uid().unwrap_or_default(), None));
 
     let mut decisions: Vec<Decision> = Vec::new();
     let mut last_scale_time = None;
@@ -301,6 +440,11 @@ async fn story(
         .await
         .ok();
     dps.delete(PIPELINE, &DeleteParams::background()).await.ok();
+    let sidecar_cpus_peak = watch
+        .ticks
+        .iter()
+        .map(|t| t.sidecar_cpus)
+        .fold(0.0, f64::max);
     Ok(StoryReport {
         ticks: watch.ticks,
         decisions,
@@ -311,10 +455,12 @@ async fn story(
         final_nic_pct,
         keys_file,
         killed_decoder,
+        sidecar_cpus_peak,
+        sidecar_cpu_limit: f64::from(opts.sidecar_cpu_millis) / 1000.0,
     })
 }
 
-/// Samples the trainer's report and every node's NIC counters.
+/// Samples the trainer's report, every node's NIC counters and the sidecar's CPU time.
 struct Watch<'a> {
     runtime: &'a NodeRuntime,
     nics: BTreeMap<String, (u32, (u64, u64))>,
@@ -323,6 +469,8 @@ struct Watch<'a> {
     /// Per tick, each CPU node's NIC utilization %.
     nic_history: Vec<BTreeMap<String, f64>>,
     report_lines_seen: usize,
+    /// The trainer pod's uid and its sidecar's CPU time at the last tick.
+    sidecar: Option<(String, Option<Duration>)>,
 }
 
 impl<'a> Watch<'a> {
@@ -341,6 +489,7 @@ impl<'a> Watch<'a> {
             ticks: Vec::new(),
             nic_history: Vec::new(),
             report_lines_seen: 0,
+            sidecar: None,
         })
     }
 
@@ -381,6 +530,14 @@ impl<'a> Watch<'a> {
         self.report_lines_seen = lines.len();
         let field = |name: &str| mean(fresh.iter().filter_map(|l| l[name].as_f64()));
         let nodes: BTreeSet<String> = decoders.iter().filter_map(node_of).collect();
+        let mut sidecar_cpus = 0.0;
+        if let Some((uid, last)) = &mut self.sidecar {
+            let now = self.runtime.container_cpu(uid, SIDECAR_NAME);
+            if let (Some(now), Some(last)) = (now, *last) {
+                sidecar_cpus = now.saturating_sub(last).as_secs_f64() / wall;
+            }
+            *last = now;
+        }
         let tick = Tick {
             t: (started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
             phase,
@@ -390,6 +547,7 @@ impl<'a> Watch<'a> {
             nodes: nodes.len(),
             busiest_nic_pct: busiest.1,
             busiest_nic_node: busiest.0,
+            sidecar_cpus,
         };
         self.ticks.push(tick.clone());
         Ok(tick)
@@ -499,7 +657,11 @@ async fn create_namespace(client: &Client, s3: &S3Server) -> Result<()> {
 
 /// The operator, in this process: controller, webhook (self-managed TLS on loopback) and the
 /// autoscaler reading the real Prometheus.
-async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<CancellationToken> {
+async fn start_operator(
+    client: &Client,
+    stage: &Stage<'_>,
+    opts: &StoryOptions,
+) -> Result<CancellationToken> {
     let mwc_name = "stoker-demo-injector";
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
     let _ = mwcs.delete(mwc_name, &DeleteParams::default()).await;
@@ -530,7 +692,11 @@ async fn start_operator(client: &Client, stage: &Stage<'_>) -> Result<Cancellati
         lease: None,
         defaults: BuildDefaults {
             loader_image: LOADER_IMAGE.into(),
-            sidecar_resources: None,
+            // As on a cluster, the sidecar's local decode gets its CPU, not the whole machine.
+            sidecar_resources: Some(serde_json::from_value(json!({
+                "requests": {"cpu": format!("{}m", opts.sidecar_cpu_millis), "memory": "512Mi"},
+                "limits": {"cpu": format!("{}m", opts.sidecar_cpu_millis), "memory": "512Mi"},
+            }))?),
         },
         webhook: Some(webhook),
         metrics_listen: None,

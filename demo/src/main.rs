@@ -8,7 +8,7 @@ use std::time::Duration;
 use stoker_demo::{Decision, StoryOptions, StoryReport, Tick};
 use stoker_testenv::cluster::{ControlPlane, Options};
 use stoker_testenv::prometheus::{Prometheus, PrometheusOptions};
-use stoker_testenv::runtime::{ImageMapping, NodeRuntime, RuntimeOptions};
+use stoker_testenv::runtime::{NodeRuntime, RuntimeOptions};
 use stoker_testenv::s3::S3ServerConfig;
 
 #[derive(Parser)]
@@ -72,13 +72,7 @@ async fn main() -> Result<()> {
             &cluster,
             RuntimeOptions {
                 loader_bin: cli.loader.clone(),
-                images: vec![ImageMapping::new(
-                    "*stoker-sim-trainer*",
-                    [
-                        cli.python.display().to_string(),
-                        trainer.display().to_string(),
-                    ],
-                )],
+                images: vec![stoker_demo::trainer_image(&cli.python, &trainer, &out)?],
                 nic_mbit,
                 dir: Some(out.join("runtime")),
                 ..RuntimeOptions::default()
@@ -112,8 +106,8 @@ async fn main() -> Result<()> {
         s3: &s3,
     };
     println!(
-        "\n{:>6}  {:<9} {:>6} {:>10} {:>9} {:>6}  {:>16}",
-        "t(s)", "phase", "busy%", "data wait%", "decoders", "nodes", "busiest NIC"
+        "\n{:>6}  {:<9} {:>6} {:>10} {:>9} {:>6}  {:>16} {:>12}",
+        "t(s)", "phase", "busy%", "data wait%", "decoders", "nodes", "busiest NIC", "sidecar CPU"
     );
     let story = tokio::select! {
         r = stoker_demo::run(&stage, &opts, print_tick, print_decision) => r,
@@ -144,7 +138,7 @@ async fn main() -> Result<()> {
 
 fn print_tick(t: &Tick) {
     println!(
-        "{:>6.0}  {:<9} {:>6.1} {:>10.1} {:>9} {:>6}  {:>6.0}% {:<8}",
+        "{:>6.0}  {:<9} {:>6.1} {:>10.1} {:>9} {:>6}  {:>6.0}% {:<8} {:>12.2}",
         t.t,
         t.phase,
         t.busy_pct,
@@ -152,7 +146,8 @@ fn print_tick(t: &Tick) {
         t.decoders,
         t.nodes,
         t.busiest_nic_pct,
-        t.busiest_nic_node
+        t.busiest_nic_node,
+        t.sidecar_cpus
     );
 }
 
@@ -177,6 +172,10 @@ fn summarize(r: &StoryReport) {
         Some(s) => println!("  time from DataPipeline to fed:           {s:>5.0} s"),
         None => println!("  the trainer was not fed within the timeout"),
     }
+    println!(
+        "  sidecar CPU, most over one tick:         {:>5.2} of its limit {}",
+        r.sidecar_cpus_peak, r.sidecar_cpu_limit
+    );
     println!(
         "  decoders at the end: on {} node(s): {:?}",
         r.decoder_nodes.len(),

@@ -35,6 +35,7 @@ fn runtime() -> &'static NodeRuntime {
             IMAGE,
             ImageSource::HostRootfs {
                 binds: Vec::new(),
+                writable: Vec::new(),
                 config: ImageConfig::default(),
             },
         )],

@@ -17,7 +17,7 @@ use stoker_testenv::cluster::ControlPlane;
 use stoker_testenv::http;
 use stoker_testenv::metrics::Exposition;
 use stoker_testenv::prometheus::{Prometheus, PrometheusOptions};
-use stoker_testenv::runtime::{ImageMapping, NodeRuntime, RuntimeOptions};
+use stoker_testenv::runtime::{ImageMapping, ImageSource, NodeRuntime, RuntimeOptions};
 
 /// Image whose containers run their own `command` on this machine.
 const HOST_IMAGE: &str = "stoker.test/host-command:1";
@@ -60,7 +60,10 @@ fn runtime() -> &'static NodeRuntime {
         .with_test_writer()
         .try_init();
     NodeRuntime::shared(|| RuntimeOptions {
-        loader_bin: fake_loader(),
+        // A shell-script stand-in, run as the host process these tests are about.
+        loader: Some(ImageSource::HostProcess(vec![
+            fake_loader().display().to_string(),
+        ])),
         images: vec![ImageMapping::host_command(HOST_IMAGE)],
         nic_mbit: BTreeMap::from([(SLOW_NODE.to_string(), SLOW_MBIT)]),
         max_grace: Duration::from_secs(5),

@@ -10,7 +10,8 @@
 //!   libraries `ldd` names, nothing else (no shell), uid 65532 by default as the image's.
 //! - [`ImageSource::HostRootfs`]: **test images only** (trainers running Python from the test
 //!   venv, fake GPU tools): an empty root whose `/usr`, `/lib*`, `/bin`, `/sbin`, `/etc` and the
-//!   listed paths are bind-mounted read-only from this machine. Never used for stoker's images.
+//!   listed paths are bind-mounted read-only from this machine, plus writable directories where
+//!   a test reads what the container wrote (a trainer's report). Never used for stoker's images.
 //! - [`ImageSource::HostProcess`]: no container at all: the command runs as a root process of
 //!   this machine in the node's network namespace (the runtime before runc); kept for tests that
 //!   say why they need it.
@@ -74,9 +75,12 @@ pub enum ImageSource {
         binaries: Vec<PathBuf>,
         config: ImageConfig,
     },
-    /// Test images only: this machine's system directories and `binds`, read-only.
+    /// Test images only: this machine's system directories and `binds`, read-only, and
+    /// `writable` bound read-write (not in the pod spec: a restricted namespace admits no
+    /// hostPath volume).
     HostRootfs {
         binds: Vec<PathBuf>,
+        writable: Vec<PathBuf>,
         config: ImageConfig,
     },
     /// Not a container: `command` (then the container's args) as a root process of this
@@ -84,13 +88,16 @@ pub enum ImageSource {
     HostProcess(Vec<String>),
 }
 
-/// An image ready to run: its root filesystem and config, plus host paths to bind read-only
+/// An image ready to run: its root filesystem and config, plus host paths to bind
 /// (host-rootfs test images only).
 #[derive(Clone, Debug)]
 pub struct Image {
     pub rootfs: PathBuf,
     pub config: ImageConfig,
+    /// Bound read-only.
     pub host_binds: Vec<PathBuf>,
+    /// Bound read-write.
+    pub host_writable: Vec<PathBuf>,
 }
 
 /// The host directories a host-rootfs test image sees.
@@ -126,7 +133,11 @@ impl ImageStore {
             ImageSource::HostProcess(_) => return Ok(None),
             ImageSource::Oci(path) => self.unpack_oci(path)?,
             ImageSource::Binaries { binaries, config } => self.assemble(binaries, config)?,
-            ImageSource::HostRootfs { binds, config } => self.host_rootfs(binds, config)?,
+            ImageSource::HostRootfs {
+                binds,
+                writable,
+                config,
+            } => self.host_rootfs(binds, writable, config)?,
         };
         self.lock().insert(key, image.clone());
         Ok(Some(image))
@@ -178,6 +189,7 @@ impl ImageStore {
             rootfs,
             config,
             host_binds: Vec::new(),
+            host_writable: Vec::new(),
         })
     }
 
@@ -247,11 +259,17 @@ impl ImageStore {
             rootfs: dest.join("rootfs"),
             config,
             host_binds: Vec::new(),
+            host_writable: Vec::new(),
         })
     }
 
     /// An empty root with mount points for the host's system directories and `binds`.
-    fn host_rootfs(&self, binds: &[PathBuf], config: &ImageConfig) -> Result<Image> {
+    fn host_rootfs(
+        &self,
+        binds: &[PathBuf],
+        writable: &[PathBuf],
+        config: &ImageConfig,
+    ) -> Result<Image> {
         let mut all: Vec<PathBuf> = HOST_SYSTEM_DIRS
             .iter()
             .map(PathBuf::from)
@@ -278,6 +296,7 @@ impl ImageStore {
             rootfs: root,
             config: config.clone(),
             host_binds: all,
+            host_writable: writable.to_vec(),
         })
     }
 

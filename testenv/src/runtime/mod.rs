@@ -1,5 +1,5 @@
 //! A local node runtime for the test cluster: pods that the real scheduler binds to simulated
-//! (KWOK) nodes run as local processes, inside one network namespace per node, so the
+//! (KWOK) nodes run in runc from their images, inside one network namespace per node, so the
 //! cluster's objects and the running data plane are one system.
 //!
 //! - Network ([`net`]): namespace `stk<s>-<node>` per node on bridge `stk<s>br`, each node's
@@ -7,12 +7,16 @@
 //!   ([`RuntimeOptions::nic_scale`], or [`RuntimeOptions::nic_mbit`] per node). Each node gets
 //!   `spec.podCIDR` 10.213.(32s+i).0/24, from which KWOK assigns pod IPs, so the IP in pod status
 //!   is the address the pod's processes listen on.
-//! - Pods ([`pods`]): one process per runnable container, started with `ip netns exec`, bound to
-//!   the pod IP (`POD_IP`; `0.0.0.0:PORT` in args and env is rewritten to `$POD_IP:PORT`),
+//! - Pods ([`pods`]): one runc container per runnable container ([`oci`], [`runc`]), with its
+//!   securityContext and limits as a kubelet applies them, in the node's namespace, bound to the
+//!   pod IP (`POD_IP`; `0.0.0.0:PORT` in args and env is rewritten to `$POD_IP:PORT`),
 //!   restarted per `restartPolicy`, stopped (SIGTERM, grace, SIGKILL) when the pod is deleted.
+//!   stoker's loader runs from stoker's image ([`stoker_image_source`]); other images from what
+//!   [`RuntimeOptions::images`] maps them to. Host-process mode (no container) only where a test
+//!   says why.
 //! - The Kubernetes API inside every node namespace: a TCP proxy on the API server's own
-//!   loopback address and port, so the cluster's admin kubeconfig (passed as `KUBECONFIG`)
-//!   works unchanged from a pod. Pods therefore act as cluster admin.
+//!   loopback address and port. A container authenticates with its projected service-account
+//!   token as on a cluster; a host process gets the cluster's admin kubeconfig (`KUBECONFIG`).
 //! - S3 ([`NodeRuntime::start_s3`]): the in-process S3 server inside namespace `stk<s>-s3`, so
 //!   that GETs cross the nodes' NICs.
 //! - Metrics ([`exporter`]): node-exporter's NIC counters per node on root loopback
@@ -29,14 +33,23 @@
 //! # fn main() -> anyhow::Result<()> {
 //! use stoker_testenv::cluster::{ControlPlane, Options};
 //! use stoker_testenv::prometheus::{Prometheus, PrometheusOptions};
-//! use stoker_testenv::runtime::{ImageMapping, NodeRuntime, RuntimeOptions};
+//! use stoker_testenv::runtime::{ImageConfig, ImageMapping, ImageSource, NodeRuntime, RuntimeOptions};
 //! use stoker_testenv::s3::S3ServerConfig;
 //! use std::time::Duration;
 //!
 //! let cp = ControlPlane::start(Options::default())?;
 //! let runtime = NodeRuntime::start(&cp, RuntimeOptions {
-//!     // loader_bin: $STOKER_LOADER_BIN or target/<profile>/stoker-loader by default
-//!     images: vec![ImageMapping::new("*stoker-sim-trainer*", ["python3", "demo/trainer.py"])],
+//!     // stoker-loader: from target/image/*.tar (scripts/image.sh), else a root filesystem of
+//!     // $STOKER_LOADER_BIN or target/<profile>/stoker-loader
+//!     // A trainer image: this machine's Python in runc (the demo's is `trainer_image`).
+//!     images: vec![ImageMapping::container("*my-trainer*", ImageSource::HostRootfs {
+//!         binds: vec!["/opt/train".into()],
+//!         writable: Vec::new(),
+//!         config: ImageConfig {
+//!             entrypoint: vec!["python3".into(), "/opt/train/train.py".into()],
+//!             ..ImageConfig::default()
+//!         },
+//!     })],
 //!     ..RuntimeOptions::default()
 //! })?;
 //! let s3 = runtime.start_s3(S3ServerConfig::new("/tmp/stoker-demo-s3"))?;
@@ -88,8 +101,8 @@ pub struct RuntimeOptions {
     pub loader_bin: PathBuf,
     /// stoker's images (operator and loader); `*` matches any run of characters.
     pub loader_image: String,
-    /// How containers of `loader_image` run. `None`: host processes of `loader_bin` (see
-    /// [`default_loader_source`] for why); [`stoker_image_source`] runs them in runc.
+    /// How containers of `loader_image` run. `None`: in runc from stoker's image, as on a
+    /// cluster ([`stoker_image_source`]); host-process mode only for a test that says why.
     pub loader: Option<ImageSource>,
     /// Other images and the local commands that run them.
     pub images: Vec<ImageMapping>,
@@ -158,23 +171,17 @@ pub fn default_stoker_image() -> Option<PathBuf> {
         .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
 }
 
-/// How the loader's containers run when [`RuntimeOptions::loader`] is `None`: host processes
-/// of `loader_bin`, as before the runc runtime. The end-to-end tests still run so: their
-/// trainers are host processes, and a trainer opens the ring at the path its sidecar names,
-/// which a sidecar in a container names inside its own mount namespace. Moving the trainers
-/// into runc too (issue 12) makes [`stoker_image_source`] the default.
-fn default_loader_source(loader_bin: &Path) -> ImageSource {
-    ImageSource::HostProcess(vec![loader_bin.display().to_string()])
-}
-
-/// stoker's loader in runc: from stoker's OCI image ([`default_stoker_image`]) when built,
-/// else from a root filesystem of `loader_bin`, its libraries and the CA bundle.
+/// stoker's loader in runc: from stoker's OCI image ([`default_stoker_image`]) when it was
+/// built after `loader_bin` (an older image would run older code than the tests were built
+/// from), else from a root filesystem of `loader_bin`, its libraries and the CA bundle.
 pub fn stoker_image_source(loader_bin: &Path) -> ImageSource {
+    let modified = |p: &Path| p.metadata().and_then(|m| m.modified()).ok();
     match default_stoker_image() {
-        Some(archive) => ImageSource::Oci(archive),
-        None => {
-            tracing::warn!(
-                "stoker's image (target/image/*.tar from scripts/image.sh) not found: the loader runs from a root filesystem of {} and its libraries",
+        Some(archive) if modified(&archive) >= modified(loader_bin) => ImageSource::Oci(archive),
+        found => {
+            tracing::info!(
+                stale_image = ?found,
+                "the loader runs from a root filesystem of {} and its libraries (no image from scripts/image.sh newer than it)",
                 loader_bin.display()
             );
             ImageSource::Binaries {
@@ -226,7 +233,7 @@ impl NodeRuntime {
         let loader = options
             .loader
             .clone()
-            .unwrap_or_else(|| default_loader_source(&options.loader_bin));
+            .unwrap_or_else(|| stoker_image_source(&options.loader_bin));
         // Without it every loader pod would fail to start, and a story would only time out.
         let missing = match &loader {
             ImageSource::Binaries { binaries, .. } => {

@@ -1,24 +1,30 @@
-//! What a kubelet would do for the simulated nodes, with local processes instead of containers.
+//! What a kubelet would do for the simulated nodes.
 //!
 //! A pod bound to one of the runtime's nodes, once KWOK has given it an IP from the node's pod
-//! CIDR, gets that IP on the node namespace's `eth0` and one process per container it knows how
-//! to run ([`Launch`]): the loader image runs the local `stoker-loader` binary, other images run
-//! the command the caller mapped them to. Pods on one node share the node's namespace, so the
-//! runtime makes each process bind its pod's IP: it sets `POD_IP`, rewrites `0.0.0.0:PORT` in
-//! args and env values to `$POD_IP:PORT`, and gives the loader `STOKER_GRPC_ADDR` and
-//! `STOKER_HTTP_ADDR` on the pod IP. Volumes (configMap, secret, emptyDir) are directories under
-//! the runtime's directory, and args and env values that name a mount path are rewritten to
-//! that directory. Env comes from `env` (values, `$(VAR)` references, fieldRef, secretKeyRef,
-//! configMapKeyRef) and `envFrom`, on top of the runtime's own environment.
+//! CIDR, gets that IP on the node namespace's `eth0` and one container per container it knows
+//! how to run ([`Launch`]). By default every container runs in runc from its image, as strictly
+//! as a kubelet runs it ([`oci`]: users, `runAsNonRoot` refusals, read-only roots, capabilities,
+//! seccomp, CPU and memory limits as cgroup limits, sized memory-backed emptyDirs, the projected
+//! service-account token): stoker's loader from stoker's image, other images from the source
+//! the caller mapped them to. Host-process mode ([`ImageSource::HostProcess`]: a root process of
+//! this machine, limits ignored, `KUBECONFIG` for the API) is kept for the tests that say why.
 //!
-//! Pod status follows the processes: restart counts, the last exit code, Ready from the
-//! process being up and its HTTP readiness probe (if any) passing, and Succeeded/Failed once
-//! every process of a pod that does not restart has ended. Native sidecars (init containers
-//! with `restartPolicy: Always`) run beside the containers and, as the kubelet does, are sent
-//! SIGTERM once every regular container has ended; the phase then follows the regular
-//! containers' exit codes. Not run: ordinary init containers, exec/TCP and startup/liveness probes,
-//! resource limits. A stopped pod's address stays on `eth0` until the runtime stops (KWOK may
-//! give it to the next pod of the node, which then reuses it).
+//! Pods on one node share the node's network namespace, so the runtime makes each container
+//! bind its pod's IP: it sets `POD_IP`, rewrites `0.0.0.0:PORT` in args and env values to
+//! `$POD_IP:PORT`, and gives the loader `STOKER_GRPC_ADDR` and `STOKER_HTTP_ADDR` on the pod IP.
+//! Volumes (configMap, secret, emptyDir, the projected token) are directories under the
+//! runtime's directory, mounted at their paths. Env comes from `env` (values, `$(VAR)`
+//! references, fieldRef, secretKeyRef, configMapKeyRef) and `envFrom`.
+//!
+//! Pod status follows the containers: restart counts, the last exit code (137 and `OOMKilled`
+//! after a kernel OOM kill), Ready from the container being up and its HTTP readiness probe (if
+//! any) passing, and Succeeded/Failed once every container of a pod that does not restart has
+//! ended. Native sidecars (init containers with `restartPolicy: Always`) start before the
+//! containers (which wait until every sidecar has started, not for its startup probe) and, as
+//! the kubelet does, are sent SIGTERM once every regular container has ended; the phase then
+//! follows the regular containers' exit codes. Not run: ordinary init containers, exec/TCP
+//! probes, startup and liveness probes. A stopped pod's address stays on `eth0` until the runtime stops (KWOK may give it to
+//! the next pod of the node, which then reuses it).
 
 use super::image::{Image, ImageSource, ImageStore};
 use super::net::NetNode;
@@ -998,11 +1004,13 @@ impl ContainerInput<'_> {
         }
 
         let mut mounts = Vec::new();
-        for bind in &image.host_binds {
+        let binds = (image.host_binds.iter().map(|b| (b, true)))
+            .chain(image.host_writable.iter().map(|b| (b, false)));
+        for (bind, readonly) in binds {
             mounts.push(oci::Mount {
                 destination: bind.display().to_string(),
                 source: bind.clone(),
-                readonly: true,
+                readonly,
             });
         }
         for m in c.volume_mounts.iter().flatten() {
