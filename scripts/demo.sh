@@ -3,7 +3,8 @@
 #   a real Kubernetes control plane (etcd, kube-apiserver, controller-manager, scheduler) with 12
 #   simulated nodes, each a network namespace with a tc-limited NIC; a real S3 server with a
 #   generated photo dataset; real Prometheus; the operator (controller, webhook, autoscaler);
-#   stoker-loader decode workers and the injected sidecar running as processes on those nodes.
+#   stoker-loader decode workers and the injected sidecar (from stoker's image, or a root
+#   filesystem of the release binary) and the trainer (uid 1000), each in runc on those nodes.
 #   (a) a trainer loading synchronously, (b) a DataPipeline starting with one decoder on one
 #   NIC-limited node, (c) the autoscaler scaling and spreading decoders. It prints a timeline and
 #   the autoscaler's decisions, writes demo-out/story.png, and stops everything on exit or Ctrl-C.

@@ -7,7 +7,7 @@
 #   STOKER_CACHE=/path ...      cache root (default ~/.cache/stoker)
 #
 # Binaries end up as symlinks in $STOKER_CACHE/bin:
-#   kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm
+#   kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm prometheus
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,24 +21,25 @@ export GOMAXPROCS=${GOMAXPROCS:-2}
 
 log() { printf '[tools] %s\n' "$*" >&2; }
 
-# module_dir -> directory of cached binaries for this exact go.mod + go.sum
+# module_dir [TAGS] -> directory of cached binaries for this exact go.mod + go.sum (+ build tags)
 cache_dir() {
-  local name=$1 sum
-  sum=$(cat "$root/tools/$name/go.mod" "$root/tools/$name/go.sum" | sha256sum | cut -c1-16)
+  local name=$1 tags=${2:-} sum
+  sum=$( (cat "$root/tools/$name/go.mod" "$root/tools/$name/go.sum"; [ -z "$tags" ] || echo "tags=$tags") \
+    | sha256sum | cut -c1-16)
   echo "$cache/go/$name-$sum"
 }
 
-# build NAME LDFLAGS PKG...  builds the packages of tools/NAME into its cache dir
+# [tags=T] build NAME LDFLAGS PKG...  builds the packages of tools/NAME into its cache dir
 build() {
   local name=$1 ldflags=$2; shift 2
-  local out; out=$(cache_dir "$name")
+  local out; out=$(cache_dir "$name" "${tags:-}")
   if [ -f "$out/.done" ]; then
     log "$name: cached in $out"
   else
     log "$name: building $* (cold: minutes)"
     local start=$SECONDS
     rm -rf "$out.tmp" && mkdir -p "$out.tmp"
-    (cd "$root/tools/$name" && go build -trimpath -ldflags "-s -w $ldflags" -o "$out.tmp/" "$@")
+    (cd "$root/tools/$name" && go build -trimpath ${tags:+-tags "$tags"} -ldflags "-s -w $ldflags" -o "$out.tmp/" "$@")
     rm -rf "$out" && mv "$out.tmp" "$out" && touch "$out/.done"
     log "$name: built in $((SECONDS - start))s"
   fi
@@ -59,6 +60,9 @@ build etcd "" go.etcd.io/etcd/server/v3
 ln -sfn "$(cache_dir etcd)/server" "$bin/etcd" && rm -f "$bin/server"
 build kwok "" sigs.k8s.io/kwok/cmd/kwok
 build helm "" helm.sh/helm/v3/cmd/helm
+# Kubernetes service discovery only (Debian's prometheus has none): the tests discover pods
+# through the chart's PodMonitor relabelings as a cluster's Prometheus does.
+tags=remove_all_sd,enable_kubernetes_sd build prometheus "" github.com/prometheus/prometheus/cmd/prometheus
 build k8s "$k8s_ldflags" \
   k8s.io/kubernetes/cmd/kube-apiserver \
   k8s.io/kubernetes/cmd/kube-controller-manager \

@@ -32,7 +32,7 @@ use stoker_testenv::cluster::{
     ControlPlane, restricted_container_security, restricted_namespace_labels,
     restricted_pod_security,
 };
-use stoker_testenv::prometheus::Prometheus;
+use stoker_testenv::prometheus::{KubernetesDiscovery, Prometheus, PrometheusOptions};
 use stoker_testenv::runtime::{ImageConfig, ImageMapping, ImageSource, NodeRuntime};
 use stoker_testenv::s3::S3Server;
 
@@ -89,6 +89,28 @@ pub fn trainer_image(python: &Path, trainer: &Path, out: &Path) -> Result<ImageM
             },
         },
     ))
+}
+
+/// Prometheus' scrape interval here (the autoscaler's rates are over 12 s).
+pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Prometheus as a cluster runs it: it finds the pods through the API server with the
+/// PodMonitors of the Helm chart at `chart` (so the autoscaler's `pipeline`, `role` and `node`
+/// labels come from the chart's relabelings), and the nodes' NIC counters from the runtime's
+/// node-exporter file. Blocking.
+pub fn start_prometheus(
+    cluster: &ControlPlane,
+    runtime: &NodeRuntime,
+    chart: &Path,
+) -> Result<Prometheus> {
+    let pods = KubernetesDiscovery::from_chart(cluster, chart, SCRAPE_INTERVAL)?;
+    Prometheus::start(
+        PrometheusOptions {
+            scrape_interval: SCRAPE_INTERVAL,
+            ..PrometheusOptions::new(runtime.sd_dir())
+        }
+        .with_kubernetes(pods),
+    )
 }
 
 /// CPU nodes' NICs in Mbit/s: 25 Gb/s scaled so that one decoder node cannot carry what the

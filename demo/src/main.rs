@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 use stoker_demo::{Decision, StoryOptions, StoryReport, Tick};
 use stoker_testenv::cluster::{ControlPlane, Options};
-use stoker_testenv::prometheus::{Prometheus, PrometheusOptions};
 use stoker_testenv::runtime::{NodeRuntime, RuntimeOptions};
 use stoker_testenv::s3::S3ServerConfig;
 
@@ -25,6 +24,9 @@ struct Cli {
     /// The simulated trainer.
     #[arg(long, default_value = "demo/trainer.py")]
     trainer: PathBuf,
+    /// The Helm chart whose PodMonitors Prometheus discovers the pods with.
+    #[arg(long, default_value = "charts/stoker")]
+    chart: PathBuf,
     /// The stoker-loader binary the decoder and sidecar containers run.
     #[arg(long)]
     loader: PathBuf,
@@ -86,10 +88,7 @@ async fn main() -> Result<()> {
         cli.bucket
     );
     let prometheus = tokio::task::block_in_place(|| {
-        Prometheus::start(PrometheusOptions {
-            scrape_interval: Duration::from_secs(2),
-            ..PrometheusOptions::new(runtime.sd_dir())
-        })
+        stoker_demo::start_prometheus(&cluster, &runtime, &cli.chart)
     })?;
 
     let opts = StoryOptions {

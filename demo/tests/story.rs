@@ -5,8 +5,10 @@
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 use stoker_demo::StoryOptions;
+use stoker_testenv::prometheus::Prometheus;
 
 /// Enough epochs for the trainer to outlast the scale-up and then run fed for half a minute.
 const EPOCHS: u32 = 100;
@@ -95,5 +97,45 @@ async fn the_autoscaler_spreads_decoders_and_every_sample_arrives_once() {
     for (node, pct) in &report.final_nic_pct {
         assert!(*pct <= 90.0, "{node} NIC at {pct:.0}% at the end");
     }
+    // Prometheus found the pods through the API server with the chart's PodMonitors: the series
+    // the autoscaler read carry the PodMonitors' jobs and the labels their relabelings make.
+    let decoders = job_node_container(
+        &world.prometheus,
+        r#"count by (job, node, container) (last_over_time(stoker_loader_samples_out_total{namespace="training",pipeline="demo",role="decoder"}[10m]))"#,
+    )
+    .await;
+    let decoder_nodes: BTreeSet<String> = decoders
+        .iter()
+        .filter(|l| l.starts_with("stoker-system/stoker-decoders cpu-"))
+        .map(|l| l.split(' ').nth(1).unwrap_or_default().to_string())
+        .collect();
+    assert!(
+        decoder_nodes.is_superset(&report.decoder_nodes),
+        "decoder series by job, node, container: {decoders:?}; decoders ended on {:?}",
+        report.decoder_nodes
+    );
+    let sidecar = job_node_container(
+        &world.prometheus,
+        r#"count by (job, node, container) (last_over_time(stoker_sidecar_samples_delivered_total{namespace="training",pipeline="demo",role="trainer"}[10m]))"#,
+    )
+    .await;
+    assert_eq!(
+        sidecar,
+        ["stoker-system/stoker-sidecars gpu-0 stoker-loader".to_string()].into(),
+        "the sidecar's series by job, node, container"
+    );
     world.runtime.shutdown();
+}
+
+/// `<job> <node> <container>` of each series `promql` returns.
+async fn job_node_container(prometheus: &Prometheus, promql: &str) -> BTreeSet<String> {
+    let result = prometheus.query(promql).await.expect("query");
+    result
+        .iter()
+        .map(|r| {
+            let m = &r["metric"];
+            let label = |name: &str| m[name].as_str().unwrap_or_default().to_string();
+            format!("{} {} {}", label("job"), label("node"), label("container"))
+        })
+        .collect()
 }

@@ -25,24 +25,34 @@ const HOST_IMAGE: &str = "stoker.test/host-command:1";
 const SLOW_NODE: &str = "cpu-2";
 const SLOW_MBIT: u32 = 80;
 
-/// A stand-in for `stoker-loader` (building the real one is another crate's job): serves a
-/// `/metrics` file on `$STOKER_HTTP_ADDR`, which the runtime sets to the pod IP.
+/// A stand-in for `stoker-loader` (building the real one is another crate's job): serves
+/// `/metrics` as the text exposition format (Prometheus 3 refuses a scrape without its
+/// Content-Type) on `$STOKER_HTTP_ADDR`, which the runtime sets to the pod IP.
 fn fake_loader() -> PathBuf {
     let dir = std::env::temp_dir().join("stoker-runtime-test");
-    std::fs::create_dir_all(dir.join("www")).unwrap();
+    std::fs::create_dir_all(&dir).unwrap();
+    let server = dir.join("metrics_server.py");
     std::fs::write(
-        dir.join("www/metrics"),
-        "# TYPE stoker_fake_loader_up gauge\nstoker_fake_loader_up 1\n",
+        &server,
+        r##"import http.server, os
+BODY = b"# TYPE stoker_fake_loader_up gauge\nstoker_fake_loader_up 1\n"
+class Metrics(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(BODY)))
+        self.end_headers()
+        self.wfile.write(BODY)
+port = int(os.environ["STOKER_HTTP_ADDR"].rsplit(":", 1)[1])
+http.server.HTTPServer((os.environ["POD_IP"], port), Metrics).serve_forever()
+"##,
     )
     .unwrap();
     let script = dir.join("stoker-loader");
     let tmp = dir.join(format!("stoker-loader.{}", std::process::id()));
     std::fs::write(
         &tmp,
-        format!(
-            "#!/bin/sh\nexec python3 -m http.server --bind \"$POD_IP\" --directory {} \"${{STOKER_HTTP_ADDR##*:}}\"\n",
-            dir.join("www").display()
-        ),
+        format!("#!/bin/sh\nexec python3 {}\n", server.display()),
     )
     .unwrap();
     use std::os::unix::fs::PermissionsExt;

@@ -1,13 +1,13 @@
 //! The world both demo tests run in: the shared control plane, a node runtime (every pod in
 //! runc, the trainer from [`stoker_demo::trainer_image`]), the S3 server holding a small set of
-//! real photographs, and Prometheus.
+//! real photographs, and Prometheus finding the pods through the API server with the chart's
+//! PodMonitors.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 use stoker_demo::Stage;
 use stoker_testenv::cluster::ControlPlane;
-use stoker_testenv::prometheus::{Prometheus, PrometheusOptions};
+use stoker_testenv::prometheus::Prometheus;
 use stoker_testenv::runtime::{NodeRuntime, RuntimeOptions};
 use stoker_testenv::s3::S3ServerConfig;
 
@@ -55,10 +55,7 @@ impl World {
             .start_s3(S3ServerConfig::new(work.path()))
             .expect("s3");
         let prometheus = tokio::task::block_in_place(|| {
-            Prometheus::start(PrometheusOptions {
-                scrape_interval: Duration::from_secs(2),
-                ..PrometheusOptions::new(runtime.sd_dir())
-            })
+            stoker_demo::start_prometheus(cp, &runtime, &repo().join("charts/stoker"))
         })
         .expect("prometheus");
         World {
