@@ -31,17 +31,25 @@ def main(timeline_path, png_path):
     ax2.set_ylabel("count")
     ax2.set_xlabel("seconds")
     ax2.legend(loc="lower right")
-    start = next((x["t"] for x in ticks if x["phase"] == "pipeline"), None)
-    for ax in (ax1, ax2):
-        if start is not None:
+    marks = [("dataloader", " PyTorch DataLoader"), ("pipeline", " DataPipeline applied")]
+    for phase, text in marks:
+        start = next((x["t"] for x in ticks if x["phase"] == phase), None)
+        if start is None:
+            continue
+        for ax in (ax1, ax2):
             ax.axvline(start, color="grey", ls=":")
+        ax1.text(start, 101, text, fontsize=8, va="bottom")
+    for ax in (ax1, ax2):
         for d in report["decisions"]:
             ax.axvline(d["t"], color="tab:blue", alpha=0.25)
-    if start is not None:
-        ax1.text(start, 101, " DataPipeline applied", fontsize=8, va="bottom")
+    dataloader = report.get("dataloader_busy_pct")
     ax1.set_title(
-        "stoker demo: GPU busy %.0f%% (loading synchronously) → %.0f%% (fed by stoker)"
-        % (report["baseline_busy_pct"], report["final_busy_pct"])
+        "stoker demo: GPU busy %.0f%% (synchronous)%s → %.0f%% (fed by stoker)"
+        % (
+            report["baseline_busy_pct"],
+            "" if dataloader is None else " → %.0f%% (DataLoader)" % dataloader,
+            report["final_busy_pct"],
+        )
     )
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)

@@ -1,5 +1,6 @@
-"""A simulated trainer: a fixed "GPU" step time per batch, fed either by the stoker sidecar or
-by loading its own batches synchronously (the baseline most jobs start from).
+"""A simulated trainer: a fixed "GPU" step time per batch, fed by the stoker sidecar, by loading
+its own batches synchronously (the baseline most jobs start from), or by a PyTorch DataLoader
+with worker processes on its own node (what most jobs try next; needs torch).
 
 Each second it appends one JSON line to --report: samples so far, compute and data-wait seconds
 in the last interval, and GPU busy % = compute time / wall time. With --keys-out it records every
@@ -7,6 +8,7 @@ delivered key (one per line, per epoch), so a test can check that each sample ar
 
   python trainer.py --mode sidecar --step-ms 60 --report /tmp/r.jsonl
   python trainer.py --mode sync --endpoint http://10.213.31.1:9000 --bucket demo --step-ms 60
+  python trainer.py --mode dataloader --workers 4 --endpoint http://10.213.31.1:9000 --bucket demo
 """
 
 import argparse
@@ -66,12 +68,13 @@ def sidecar_batches(args):
         epoch += 1
 
 
-def sync_batches(args):
-    """What a trainer does without a loader: list, GET, decode and resize in its own loop."""
+def s3_client(args):
     import boto3
-    from PIL import Image
 
-    s3 = boto3.client("s3", endpoint_url=args.endpoint, region_name="us-east-1")
+    return boto3.client("s3", endpoint_url=args.endpoint, region_name="us-east-1")
+
+
+def list_keys(s3, args):
     keys, token = [], None
     while True:
         kw = {"Bucket": args.bucket, "Prefix": args.prefix}
@@ -82,19 +85,33 @@ def sync_batches(args):
         token = page.get("NextContinuationToken")
         if not token:
             break
+    return keys
+
+
+def load(s3, args, key):
+    """GET, decode, resize the short side to --size and center-crop: the pixels, HWC RGB."""
+    from PIL import Image
+
+    body = s3.get_object(Bucket=args.bucket, Key=key)["Body"].read()
+    im = Image.open(io.BytesIO(body)).convert("RGB")
+    w, h = im.size
+    scale = args.size / min(w, h)
+    im = im.resize((max(args.size, round(w * scale)), max(args.size, round(h * scale))))
+    left, top = (im.width - args.size) // 2, (im.height - args.size) // 2
+    return im.crop((left, top, left + args.size, top + args.size))
+
+
+def sync_batches(args):
+    """What a trainer does without a loader: list, GET, decode and resize in its own loop."""
+    s3 = s3_client(args)
+    keys = list_keys(s3, args)
     epoch = 0
     while args.epochs == 0 or epoch < args.epochs:
         for i in range(0, len(keys) - args.batch_size + 1, args.batch_size):
             batch, skips = [], []
             for key in keys[i : i + args.batch_size]:
                 try:
-                    body = s3.get_object(Bucket=args.bucket, Key=key)["Body"].read()
-                    im = Image.open(io.BytesIO(body)).convert("RGB")
-                    w, h = im.size
-                    scale = args.size / min(w, h)
-                    im = im.resize((max(args.size, round(w * scale)), max(args.size, round(h * scale))))
-                    left, top = (im.width - args.size) // 2, (im.height - args.size) // 2
-                    im.crop((left, top, left + args.size, top + args.size)).tobytes()
+                    load(s3, args, key).tobytes()
                     batch.append(key)
                 except Exception as exc:  # a bad image is skipped, as stoker does
                     skips.append((key, type(exc).__name__))
@@ -102,9 +119,66 @@ def sync_batches(args):
         epoch += 1
 
 
+class S3Images:
+    """A map-style dataset of the bucket's images for a DataLoader (module level: workers may be
+    started by pickling it)."""
+
+    def __init__(self, args, keys):
+        self.args, self.keys, self.s3 = args, keys, None
+
+    def __len__(self):
+        return len(self.keys)
+
+    def __getitem__(self, i):
+        import numpy as np
+        import torch
+
+        if self.s3 is None:  # one client per worker process
+            self.s3 = s3_client(self.args)
+        key = self.keys[i]
+        try:
+            return key, torch.from_numpy(np.array(load(self.s3, self.args, key))), None
+        except Exception as exc:  # a bad image is skipped, as stoker does
+            return key, None, type(exc).__name__
+
+
+def collate(items):
+    """(keys, stacked uint8 pixels, skips) of one batch."""
+    import torch
+
+    pixels = [p for _, p, _ in items if p is not None]
+    return (
+        [k for k, p, _ in items if p is not None],
+        torch.stack(pixels) if pixels else None,
+        [(k, r) for k, p, r in items if p is None],
+    )
+
+
+def dataloader_batches(args):
+    """The loader most trainers try next: a PyTorch DataLoader whose --workers processes GET,
+    decode and resize on the trainer's own node; shuffled batches of uint8 tensors."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(
+        S3Images(args, list_keys(s3_client(args), args)),
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=args.workers,
+        persistent_workers=True,
+        prefetch_factor=4,
+        collate_fn=collate,
+    )
+    epoch = 0
+    while args.epochs == 0 or epoch < args.epochs:
+        for keys, _pixels, skips in loader:
+            yield epoch, keys, skips
+        epoch += 1
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["sidecar", "sync"], default="sidecar")
+    ap.add_argument("--mode", choices=["sidecar", "sync", "dataloader"], default="sidecar")
     ap.add_argument("--step-ms", type=float, default=60.0, help="simulated GPU time per batch")
     ap.add_argument("--epochs", type=int, default=0, help="0: until stopped")
     ap.add_argument("--report", default=os.environ.get("STOKER_SIM_REPORT"))
@@ -114,10 +188,11 @@ def main():
     ap.add_argument("--prefix", default="")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
     args = ap.parse_args()
 
     meter = Meter(args.report)
-    batches = sidecar_batches(args) if args.mode == "sidecar" else sync_batches(args)
+    batches = {"sidecar": sidecar_batches, "sync": sync_batches, "dataloader": dataloader_batches}[args.mode](args)
     keys_out = open(args.keys_out, "a") if args.keys_out else None
     waited_from = time.monotonic()
     for epoch, keys, skips in batches:

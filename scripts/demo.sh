@@ -5,12 +5,14 @@
 #   generated photo dataset; real Prometheus; the operator (controller, webhook, autoscaler);
 #   stoker-loader decode workers and the injected sidecar (from stoker's image, or a root
 #   filesystem of the release binary) and the trainer (uid 1000), each in runc on those nodes.
-#   (a) a trainer loading synchronously, (b) a DataPipeline starting with one decoder on one
-#   NIC-limited node, (c) the autoscaler scaling and spreading decoders. It prints a timeline and
+#   (a) a trainer loading synchronously, (a') the same trainer on a PyTorch DataLoader with 4
+#   workers on its own node, (b) a DataPipeline starting with one decoder on one NIC-limited
+#   node, (c) the autoscaler scaling and spreading decoders. It prints a timeline and
 #   the autoscaler's decisions, writes demo-out/story.png, and stops everything on exit or Ctrl-C.
 #
 #   scripts/demo.sh                  # builds what is missing (cold: ~30 min), then ~5 min
 #   DEMO_IMAGES=800 scripts/demo.sh  # a bigger dataset
+#   DEMO_DATALOADER=0 scripts/demo.sh  # without the DataLoader phase (no torch venv needed)
 #
 # Needs root (network namespaces, tc).
 set -euo pipefail
@@ -24,6 +26,12 @@ echo "== building what is missing"
 scripts/deps.sh
 scripts/tools.sh >/dev/null
 venv=$(scripts/python-env.sh)
+torch_args=()
+if [ "${DEMO_DATALOADER:-1}" != 0 ]; then
+  # torch in its own venv (the PyPI wheel is ~3 GB; cached), as the benchmarks use it.
+  torch_venv=$(bench/setup.sh | tail -1)
+  torch_args=(--torch-python "$torch_venv/bin/python")
+fi
 cargo build --release --quiet -p stoker-loader -p stoker-demo
 target=${CARGO_TARGET_DIR:-$root/target}/release
 
@@ -37,4 +45,4 @@ if [ ! -f "$data/.done" ]; then
 fi
 # The .done marker stays outside the served bucket: the server serves one folder per bucket.
 exec "$target/stoker-demo" --data "$data" --bucket demo --python "$venv/bin/python" \
-  --trainer demo/trainer.py --loader "$target/stoker-loader" --out "$out" "$@"
+  --trainer demo/trainer.py --loader "$target/stoker-loader" --out "$out" "${torch_args[@]}" "$@"

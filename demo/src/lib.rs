@@ -40,8 +40,10 @@ pub const NAMESPACE: &str = "training";
 pub const PIPELINE: &str = "demo";
 /// The image the node runtime maps to the loader binary.
 pub const LOADER_IMAGE: &str = "ghcr.io/stoker-dev/stoker-loader:0.1.0";
-/// The image the node runtime maps to `demo/trainer.py`.
+/// The image the node runtime maps to `demo/trainer.py` ([`trainer_image`]).
 pub const TRAINER_IMAGE: &str = "ghcr.io/stoker-dev/stoker-sim-trainer:0.1.0";
+/// The same trainer with torch (the DataLoader phase), from a venv that has it.
+pub const TORCH_TRAINER_IMAGE: &str = "ghcr.io/stoker-dev/stoker-sim-trainer-torch:0.1.0";
 /// The trainer's user: not root, and not the sidecar's 65532 (the ring is shared through a
 /// group the webhook adds, as on a cluster).
 pub const TRAINER_UID: i64 = 1000;
@@ -50,11 +52,16 @@ pub const TRAINER_UID: i64 = 1000;
 /// `loader.sidecar.cpu`).
 pub const SIDECAR_CPU_MILLIS: u32 = 1000;
 
-/// The simulated trainer's image: `python trainer.py` in runc as [`TRAINER_UID`], from a
-/// test image of this machine's system directories plus, read-only, the venv of `python`, the
+/// The simulated trainer's image `image`: `python trainer.py` in runc as [`TRAINER_UID`], from
+/// a test image of this machine's system directories plus, read-only, the venv of `python`, the
 /// Python installation it links to and the trainer's directory; `out` (the reports and keys the
 /// story reads) is bound writable and handed to the trainer's user.
-pub fn trainer_image(python: &Path, trainer: &Path, out: &Path) -> Result<ImageMapping> {
+pub fn trainer_image(
+    image: &str,
+    python: &Path,
+    trainer: &Path,
+    out: &Path,
+) -> Result<ImageMapping> {
     let prefixes = std::process::Command::new(python)
         .args([
             "-c",
@@ -79,7 +86,7 @@ pub fn trainer_image(python: &Path, trainer: &Path, out: &Path) -> Result<ImageM
     std::os::unix::fs::chown(out, Some(uid), Some(uid))
         .with_context(|| format!("chown {} to the trainer's user", out.display()))?;
     Ok(ImageMapping::container(
-        "*stoker-sim-trainer*",
+        image,
         ImageSource::HostRootfs {
             binds,
             writable: vec![out.to_path_buf()],
@@ -153,6 +160,9 @@ pub struct StoryOptions {
     pub work_dir: PathBuf,
     /// The injected sidecar's CPU request and limit, in millicores.
     pub sidecar_cpu_millis: u32,
+    /// Run a PyTorch DataLoader phase after the baseline, as long, with this many workers
+    /// (the runtime must map [`TORCH_TRAINER_IMAGE`]).
+    pub dataloader_workers: Option<u32>,
 }
 
 impl Default for StoryOptions {
@@ -171,6 +181,7 @@ impl Default for StoryOptions {
             kill_decoder_after: None,
             work_dir: std::env::temp_dir().join("stoker-demo"),
             sidecar_cpu_millis: SIDECAR_CPU_MILLIS,
+            dataloader_workers: None,
         }
     }
 }
@@ -206,6 +217,8 @@ pub struct StoryReport {
     pub decisions: Vec<Decision>,
     /// Mean GPU busy % over the baseline phase.
     pub baseline_busy_pct: f64,
+    /// Mean GPU busy % over the DataLoader phase, when it ran.
+    pub dataloader_busy_pct: Option<f64>,
     /// Mean GPU busy % over the last `settle` seconds of the story.
     pub final_busy_pct: f64,
     /// Seconds from the pipeline's creation until busy first held at the target for `settle`.
@@ -300,7 +313,13 @@ async fn measure_local_decode(
     let report = opts.work_dir.join("local.jsonl");
     let keys_file = opts.work_dir.join("local-keys.txt");
     let _ = std::fs::remove_file(&keys_file);
-    let trainer = trainer_pod("trainer-0", Some(&keys_file), opts, &report, stage);
+    let trainer = trainer_pod(
+        "trainer-0",
+        Feed::Sidecar { keys: &keys_file },
+        opts,
+        &report,
+        stage,
+    );
     create_when_webhook_ready(&pods, &trainer).await?;
     let uid = pods.get("trainer-0").await?.uid().unwrap_or_default();
     let deadline = Instant::now() + opts.recover_timeout;
@@ -349,7 +368,7 @@ async fn story(
     let _ = std::fs::remove_file(&report_a);
     pods.create(
         &PostParams::default(),
-        &trainer_pod("trainer-sync", None, opts, &report_a, stage),
+        &trainer_pod("trainer-sync", Feed::Sync, opts, &report_a, stage),
     )
     .await
     .context("create the baseline trainer")?;
@@ -361,13 +380,35 @@ async fn story(
     }
     pods.delete("trainer-sync", &DeleteParams::default().grace_period(0))
         .await?;
-    let baseline_busy_pct = mean(
-        watch
-            .ticks
-            .iter()
-            .filter(|t| t.phase == "baseline")
-            .map(|t| t.busy_pct),
-    );
+    let baseline_busy_pct = watch.mean_busy_pct("baseline");
+
+    // (a') What most trainers try next: a DataLoader with worker processes on the GPU node.
+    let mut dataloader_busy_pct = None;
+    if let Some(workers) = opts.dataloader_workers {
+        let report = opts.work_dir.join("dataloader.jsonl");
+        let _ = std::fs::remove_file(&report);
+        let pod = trainer_pod(
+            "trainer-dataloader",
+            Feed::DataLoader(workers),
+            opts,
+            &report,
+            stage,
+        );
+        pods.create(&PostParams::default(), &pod)
+            .await
+            .context("create the DataLoader trainer")?;
+        let phase_end = Instant::now() + opts.baseline;
+        while Instant::now() < phase_end {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            on_tick(&watch.tick(started, "dataloader", &report, &[]).await?);
+        }
+        pods.delete(
+            "trainer-dataloader",
+            &DeleteParams::default().grace_period(0),
+        )
+        .await?;
+        dataloader_busy_pct = Some(watch.mean_busy_pct("dataloader"));
+    }
 
     // (b) The pipeline, autoscaled, from one decoder.
     dps.create(&PostParams::default(), &pipeline(opts, stage))
@@ -378,7 +419,13 @@ async fn story(
     let keys_file = opts.work_dir.join("keys.txt");
     let _ = std::fs::remove_file(&report_b);
     let _ = std::fs::remove_file(&keys_file);
-    let trainer = trainer_pod("trainer-0", Some(&keys_file), opts, &report_b, stage);
+    let trainer = trainer_pod(
+        "trainer-0",
+        Feed::Sidecar { keys: &keys_file },
+        opts,
+        &report_b,
+        stage,
+    );
     create_when_webhook_ready(&pods, &trainer).await?;
     watch.sidecar = Some((pods.get("trainer-0").await?.uid().unwrap_or_default(), None));
 
@@ -471,6 +518,7 @@ async fn story(
         ticks: watch.ticks,
         decisions,
         baseline_busy_pct,
+        dataloader_busy_pct,
         final_busy_pct,
         recovered_after_s,
         decoder_nodes,
@@ -573,6 +621,16 @@ impl<'a> Watch<'a> {
         };
         self.ticks.push(tick.clone());
         Ok(tick)
+    }
+
+    /// Mean GPU busy % over the ticks of `phase` that carried a trainer report.
+    fn mean_busy_pct(&self, phase: &str) -> f64 {
+        mean(
+            self.ticks
+                .iter()
+                .filter(|t| t.phase == phase && t.busy_pct + t.wait_pct > 0.0)
+                .map(|t| t.busy_pct),
+        )
     }
 
     fn mean_nic_pct(&self, last_ticks: usize) -> BTreeMap<String, f64> {
@@ -790,56 +848,71 @@ fn pipeline(opts: &StoryOptions, stage: &Stage<'_>) -> DataPipeline {
     .expect("the story's DataPipeline is valid JSON for the CRD types")
 }
 
-/// A trainer pod on a GPU node. With `keys` it opts into the pipeline (the webhook injects the
-/// sidecar) and logs every delivered key; without, it loads synchronously from S3.
+/// How a trainer pod gets its batches.
+enum Feed<'a> {
+    /// GET, decode and resize in its own loop.
+    Sync,
+    /// A PyTorch DataLoader with this many worker processes, in the trainer's container.
+    DataLoader(u32),
+    /// The pipeline's sidecar (the webhook injects it); every delivered key is logged here.
+    Sidecar { keys: &'a Path },
+}
+
+/// A trainer pod on a GPU node, fed by `feed`.
 fn trainer_pod(
     name: &str,
-    keys: Option<&std::path::Path>,
+    feed: Feed<'_>,
     opts: &StoryOptions,
-    report: &std::path::Path,
+    report: &Path,
     stage: &Stage<'_>,
 ) -> Pod {
-    let step = opts.step_ms.to_string();
-    let batch = opts.batch_size.to_string();
-    let size = opts.image_size.to_string();
-    let epochs = opts.epochs.to_string();
-    let report = report.display().to_string();
-    let (labels, args) = match keys {
-        Some(keys) => (
-            json!({"app": "trainer", "stoker.dev/pipeline": PIPELINE}),
-            json!([
-                "--mode",
-                "sidecar",
-                "--step-ms",
-                step,
-                "--epochs",
-                epochs,
-                "--report",
-                report,
-                "--keys-out",
-                keys.display().to_string()
-            ]),
-        ),
-        None => (
-            json!({"app": "trainer"}),
-            json!([
-                "--mode",
-                "sync",
-                "--step-ms",
-                step,
-                "--batch-size",
-                batch,
-                "--size",
-                size,
-                "--endpoint",
-                stage.s3.endpoint(),
-                "--bucket",
-                opts.bucket,
-                "--report",
-                report
-            ]),
-        ),
-    };
+    let mut args = vec![
+        "--step-ms".to_string(),
+        opts.step_ms.to_string(),
+        "--epochs".into(),
+        opts.epochs.to_string(),
+        "--report".into(),
+        report.display().to_string(),
+    ];
+    let from_s3 = [
+        "--batch-size".to_string(),
+        opts.batch_size.to_string(),
+        "--size".into(),
+        opts.image_size.to_string(),
+        "--endpoint".into(),
+        stage.s3.endpoint(),
+        "--bucket".into(),
+        opts.bucket.clone(),
+    ];
+    let mut labels = json!({"app": "trainer"});
+    let (mut image, mut volumes, mut mounts) = (TRAINER_IMAGE, json!([]), json!([]));
+    match feed {
+        Feed::Sync => {
+            args.extend(["--mode".into(), "sync".into()]);
+            args.extend(from_s3);
+        }
+        Feed::DataLoader(workers) => {
+            args.extend(["--mode".into(), "dataloader".into()]);
+            args.extend(["--workers".into(), workers.to_string()]);
+            args.extend(from_s3);
+            image = TORCH_TRAINER_IMAGE;
+            // Workers hand batches over through shared memory and sockets in a temporary
+            // directory (TMPDIR, below): what a DataLoader pod needs.
+            volumes = json!([
+                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+                {"name": "scratch", "emptyDir": {}},
+            ]);
+            mounts = json!([
+                {"name": "dshm", "mountPath": "/dev/shm"},
+                {"name": "scratch", "mountPath": "/scratch"},
+            ]);
+        }
+        Feed::Sidecar { keys } => {
+            args.extend(["--mode".into(), "sidecar".into()]);
+            args.extend(["--keys-out".into(), keys.display().to_string()]);
+            labels["stoker.dev/pipeline"] = PIPELINE.into();
+        }
+    }
     serde_json::from_value(json!({
         "metadata": {"name": name, "labels": labels},
         "spec": {
@@ -847,10 +920,13 @@ fn trainer_pod(
             "nodeSelector": {"kubernetes.io/hostname": "gpu-0"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
             "securityContext": restricted_pod_security(TRAINER_UID),
+            "volumes": volumes,
             "containers": [{
-                "name": "trainer", "image": TRAINER_IMAGE, "args": args,
+                "name": "trainer", "image": image, "args": args,
+                "volumeMounts": mounts,
                 "securityContext": restricted_container_security(),
                 "env": [
+                    {"name": "TMPDIR", "value": "/scratch"},
                     {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}}},
                     {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY"}}},
                 ],

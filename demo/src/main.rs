@@ -24,6 +24,13 @@ struct Cli {
     /// The simulated trainer.
     #[arg(long, default_value = "demo/trainer.py")]
     trainer: PathBuf,
+    /// Python with torch, boto3 and pillow (bench/setup.sh): adds the phase most trainers try
+    /// after the synchronous loop, a PyTorch DataLoader with workers on the GPU node.
+    #[arg(long)]
+    torch_python: Option<PathBuf>,
+    /// The DataLoader's worker processes (through S3 on 2 cores, 4 beat 2 in bench-decode.sh).
+    #[arg(long, default_value_t = 4)]
+    dataloader_workers: u32,
     /// The Helm chart whose PodMonitors Prometheus discovers the pods with.
     #[arg(long, default_value = "charts/stoker")]
     chart: PathBuf,
@@ -69,12 +76,26 @@ async fn main() -> Result<()> {
         "starting: node runtime (a network namespace per node, NICs limited with tc: CPU nodes {} Mbit/s, GPU nodes {} Mbit/s)",
         cli.cpu_nic_mbit, cli.gpu_nic_mbit
     );
+    let mut images = vec![stoker_demo::trainer_image(
+        stoker_demo::TRAINER_IMAGE,
+        &cli.python,
+        &trainer,
+        &out,
+    )?];
+    if let Some(torch) = &cli.torch_python {
+        images.push(stoker_demo::trainer_image(
+            stoker_demo::TORCH_TRAINER_IMAGE,
+            torch,
+            &trainer,
+            &out,
+        )?);
+    }
     let runtime = tokio::task::block_in_place(|| {
         NodeRuntime::start(
             &cluster,
             RuntimeOptions {
                 loader_bin: cli.loader.clone(),
-                images: vec![stoker_demo::trainer_image(&cli.python, &trainer, &out)?],
+                images,
                 nic_mbit,
                 dir: Some(out.join("runtime")),
                 ..RuntimeOptions::default()
@@ -96,6 +117,7 @@ async fn main() -> Result<()> {
         baseline: Duration::from_secs(cli.baseline_secs),
         recover_timeout: Duration::from_secs(cli.timeout_secs),
         work_dir: out.clone(),
+        dataloader_workers: cli.torch_python.is_some().then_some(cli.dataloader_workers),
         ..StoryOptions::default()
     };
     let stage = stoker_demo::Stage {
@@ -163,6 +185,9 @@ fn summarize(r: &StoryReport) {
         "  GPU busy, trainer loading synchronously: {:>5.1}%",
         r.baseline_busy_pct
     );
+    if let Some(busy) = r.dataloader_busy_pct {
+        println!("  GPU busy, PyTorch DataLoader:            {busy:>5.1}%");
+    }
     println!(
         "  GPU busy, fed by stoker (end):           {:>5.1}%",
         r.final_busy_pct

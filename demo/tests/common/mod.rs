@@ -34,9 +34,13 @@ impl World {
         let work = tempfile::tempdir().expect("tempdir");
         let keys = dataset(work.path());
         let out = work.path().join("out");
-        let trainer =
-            stoker_demo::trainer_image(python.as_ref(), &repo().join("demo/trainer.py"), &out)
-                .expect("the trainer's image");
+        let trainer = stoker_demo::trainer_image(
+            stoker_demo::TRAINER_IMAGE,
+            python.as_ref(),
+            &repo().join("demo/trainer.py"),
+            &out,
+        )
+        .expect("the trainer's image");
         let cp = ControlPlane::shared();
         let nic_mbit =
             stoker_demo::nic_mbit(cp, stoker_demo::CPU_NIC_MBIT, stoker_demo::GPU_NIC_MBIT);

@@ -776,6 +776,7 @@ async fn supervise(
         retry_at.retain(|k, _| desired.contains_key(k));
 
         for (k, (index, run)) in running.iter_mut() {
+            run.sync_volumes(&client).await;
             run.supervise(&nodes[*index].1, &launch);
             let Some(pod) = desired.get(k) else {
                 continue;

@@ -13,7 +13,8 @@
 //! bind its pod's IP: it sets `POD_IP`, rewrites `0.0.0.0:PORT` in args and env values to
 //! `$POD_IP:PORT`, and gives the loader `STOKER_GRPC_ADDR` and `STOKER_HTTP_ADDR` on the pod IP.
 //! Volumes (configMap, secret, emptyDir, the projected token) are directories under the
-//! runtime's directory, mounted at their paths. Env comes from `env` (values, `$(VAR)`
+//! runtime's directory, mounted at their paths; secret and configMap volumes are rewritten from
+//! the API every 10 s, as the kubelet syncs them. Env comes from `env` (values, `$(VAR)`
 //! references, fieldRef, secretKeyRef, configMapKeyRef) and `envFrom`.
 //!
 //! Pod status follows the containers: restart counts, the last exit code (137 and `OOMKilled`
@@ -239,7 +240,23 @@ pub struct PodRun {
     cgroup: String,
     containers: Vec<ContainerRun>,
     reported: Option<Vec<ContainerReport>>,
+    /// Secret and configMap volumes, rewritten from the API every [`VOLUME_SYNC`] as the
+    /// kubelet does, so that a container restarted after a change sees it (a service-account
+    /// token Secret mounted before the token controller filled it, say).
+    synced: Vec<SyncedVolume>,
+    fs_group: Option<u32>,
+    next_sync: Instant,
 }
+
+/// A secret or configMap volume and its directory.
+struct SyncedVolume {
+    volume: k8s_openapi::api::core::v1::Volume,
+    dir: PathBuf,
+}
+
+/// How often secret and configMap volumes are rewritten (the kubelet's sync period is a
+/// minute plus its cache's TTL; shorter here, where tests wait on it).
+const VOLUME_SYNC: Duration = Duration::from_secs(10);
 
 const BACKOFF_START: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -318,6 +335,7 @@ impl PodRun {
         let pod_dir = format!("{namespace}_{name}_{}", &uid[..uid.len().min(8)]);
         let mut dirs = Vec::new();
         let mut tmpfs = Vec::new();
+        let mut synced_volumes = Vec::new();
         let mut volumes: BTreeMap<String, VolumeDir> = BTreeMap::new();
         for volume in spec
             .volumes
@@ -338,13 +356,13 @@ impl PodRun {
                 dirs.push(base.join(&pod_dir));
             }
             let mut readonly = true;
-            if let Some(cm) = &volume.config_map {
-                let files = config_map_files(client, &namespace, &cm.name, cm.optional).await?;
-                write_volume(&dir, files, cm.items.as_deref(), cm.default_mode)?;
-            } else if let Some(secret) = &volume.secret {
-                let secret_name = secret.secret_name.clone().unwrap_or_default();
-                let files = secret_files(client, &namespace, &secret_name, secret.optional).await?;
-                write_volume(&dir, files, secret.items.as_deref(), secret.default_mode)?;
+            if volume.config_map.is_some() || volume.secret.is_some() {
+                let synced = SyncedVolume {
+                    volume: volume.clone(),
+                    dir: dir.clone(),
+                };
+                synced.write(client, &namespace).await?;
+                synced_volumes.push(synced);
             } else if let Some(projected) = &volume.projected {
                 if strict {
                     volume::write_projected(client, pod, projected, &dir).await?;
@@ -441,7 +459,31 @@ impl PodRun {
             cgroup,
             containers,
             reported: None,
+            synced: synced_volumes,
+            fs_group: fs_group.filter(|_| strict),
+            next_sync: Instant::now() + VOLUME_SYNC,
         })
+    }
+
+    /// Rewrites the pod's secret and configMap volumes from the API when they are due; a
+    /// failed read leaves the files as they were.
+    pub async fn sync_volumes(&mut self, client: &kube::Client) {
+        if Instant::now() < self.next_sync {
+            return;
+        }
+        self.next_sync = Instant::now() + VOLUME_SYNC;
+        for synced in &self.synced {
+            let written = async {
+                synced.write(client, &self.namespace).await?;
+                if let Some(group) = self.fs_group {
+                    volume::set_group_ownership(&synced.dir, group, true)?;
+                }
+                anyhow::Ok(())
+            };
+            if let Err(err) = written.await {
+                tracing::debug!(pod = %self.name, volume = %synced.volume.name, err = format!("{err:#}"), "volume not synced");
+            }
+        }
     }
 
     /// No container of the pod runs here (no local command for its images).
@@ -1104,6 +1146,27 @@ pub(super) fn field_value_of(pod: &Pod, path: &str) -> Option<String> {
         .and_then(|ip| ip.parse().ok())
         .unwrap_or(Ipv4Addr::UNSPECIFIED);
     field_value(pod, path, ip)
+}
+
+impl SyncedVolume {
+    /// Writes the Secret's or ConfigMap's current files into the directory.
+    async fn write(&self, client: &kube::Client, namespace: &str) -> Result<()> {
+        if let Some(cm) = &self.volume.config_map {
+            let files = config_map_files(client, namespace, &cm.name, cm.optional).await?;
+            write_volume(&self.dir, files, cm.items.as_deref(), cm.default_mode)
+        } else if let Some(secret) = &self.volume.secret {
+            let name = secret.secret_name.clone().unwrap_or_default();
+            let files = secret_files(client, namespace, &name, secret.optional).await?;
+            write_volume(
+                &self.dir,
+                files,
+                secret.items.as_deref(),
+                secret.default_mode,
+            )
+        } else {
+            Ok(())
+        }
+    }
 }
 
 fn write_volume(
