@@ -2,6 +2,7 @@
 //! run the same code:
 //!
 //! (a) a trainer pod on a GPU node loads its own batches synchronously: the GPU mostly waits;
+//! (a') optionally, the same trainer on a PyTorch DataLoader with worker processes on its node;
 //! (b) a `DataPipeline` with autoscaling starts one decoder, on one CPU node whose NIC saturates;
 //! (c) the autoscaler scales the decoders in one step and spreads them over more nodes until
 //!     the trainer is fed.
@@ -243,20 +244,34 @@ pub struct Stage<'a> {
     pub s3: &'a S3Server,
 }
 
-/// Runs (a), (b) and (c), calling `on_tick` every two seconds and `on_decision` for each new
-/// autoscaler decision. Leaves the cluster as it found it (namespace and operator gone).
+/// Runs (a), (a') when asked, (b) and (c), calling `on_tick` every two seconds and
+/// `on_decision` for each new autoscaler decision. Leaves the cluster as it found it (namespace
+/// and operator gone).
 pub async fn run(
     stage: &Stage<'_>,
     opts: &StoryOptions,
     mut on_tick: impl FnMut(&Tick),
     mut on_decision: impl FnMut(&Decision),
 ) -> Result<StoryReport> {
+    with_operator(stage, opts, async |client| {
+        story(client, stage, opts, &mut on_tick, &mut on_decision).await
+    })
+    .await
+}
+
+/// `body` with the CRD, the training namespace and the operator in place; removes the
+/// namespace and stops the operator afterwards, whatever `body` returned.
+async fn with_operator<T>(
+    stage: &Stage<'_>,
+    opts: &StoryOptions,
+    body: impl AsyncFnOnce(&Client) -> Result<T>,
+) -> Result<T> {
     std::fs::create_dir_all(&opts.work_dir)?;
     let client = stage.cluster.client().await?;
     install_crd(&client).await?;
     create_namespace(&client, stage.s3).await?;
     let operator = start_operator(&client, stage, opts).await?;
-    let result = story(&client, stage, opts, &mut on_tick, &mut on_decision).await;
+    let result = body(&client).await;
     operator.cancel();
     let _ = Api::<Namespace>::all(client.clone())
         .delete(NAMESPACE, &DeleteParams::background())
@@ -284,17 +299,10 @@ impl LocalDecodeReport {
 /// every batch itself for `opts.epochs` epochs while the trainer takes them as fast as they
 /// come (`opts.step_ms` per batch). Its CPU time is sampled from its cgroup every half second.
 pub async fn local_decode(stage: &Stage<'_>, opts: &StoryOptions) -> Result<LocalDecodeReport> {
-    std::fs::create_dir_all(&opts.work_dir)?;
-    let client = stage.cluster.client().await?;
-    install_crd(&client).await?;
-    create_namespace(&client, stage.s3).await?;
-    let operator = start_operator(&client, stage, opts).await?;
-    let result = measure_local_decode(&client, stage, opts).await;
-    operator.cancel();
-    let _ = Api::<Namespace>::all(client.clone())
-        .delete(NAMESPACE, &DeleteParams::background())
-        .await;
-    result
+    with_operator(stage, opts, async |client| {
+        measure_local_decode(client, stage, opts).await
+    })
+    .await
 }
 
 async fn measure_local_decode(
