@@ -318,18 +318,9 @@ async fn measure_local_decode(
     dps.create(&PostParams::default(), &serde_json::from_value(dp)?)
         .await
         .context("create the DataPipeline")?;
-    let report = opts.work_dir.join("local.jsonl");
     let keys_file = opts.work_dir.join("local-keys.txt");
-    let _ = std::fs::remove_file(&keys_file);
-    let trainer = trainer_pod(
-        "trainer-0",
-        Feed::Sidecar { keys: &keys_file },
-        opts,
-        &report,
-        stage,
-    );
-    create_when_webhook_ready(&pods, &trainer).await?;
-    let uid = pods.get("trainer-0").await?.uid().unwrap_or_default();
+    let report = opts.work_dir.join("local.jsonl");
+    let uid = start_fed_trainer(&pods, opts, stage, &report, &keys_file).await?;
     let deadline = Instant::now() + opts.recover_timeout;
     // (time, CPU) at the first and the latest reading of the running sidecar.
     let mut first: Option<(Instant, Duration)> = None;
@@ -357,6 +348,22 @@ async fn measure_local_decode(
         sidecar_cpu: last.1.saturating_sub(first.1),
         wall: last.0 - first.0,
     })
+}
+
+/// Creates `trainer-0`, fed by the pipeline's injected sidecar, writing `report` and `keys`
+/// afresh; returns the pod's uid.
+async fn start_fed_trainer(
+    pods: &Api<Pod>,
+    opts: &StoryOptions,
+    stage: &Stage<'_>,
+    report: &Path,
+    keys: &Path,
+) -> Result<String> {
+    let _ = std::fs::remove_file(report);
+    let _ = std::fs::remove_file(keys);
+    let trainer = trainer_pod("trainer-0", Feed::Sidecar { keys }, opts, report, stage);
+    create_when_webhook_ready(pods, &trainer).await?;
+    Ok(pods.get("trainer-0").await?.uid().unwrap_or_default())
 }
 
 async fn story(
@@ -425,17 +432,8 @@ async fn story(
     let pipeline_created = Instant::now();
     let report_b = opts.work_dir.join("pipeline.jsonl");
     let keys_file = opts.work_dir.join("keys.txt");
-    let _ = std::fs::remove_file(&report_b);
-    let _ = std::fs::remove_file(&keys_file);
-    let trainer = trainer_pod(
-        "trainer-0",
-        Feed::Sidecar { keys: &keys_file },
-        opts,
-        &report_b,
-        stage,
-    );
-    create_when_webhook_ready(&pods, &trainer).await?;
-    watch.sidecar = Some((pods.get("trainer-0").await?.uid().unwrap_or_default(), None));
+    let uid = start_fed_trainer(&pods, opts, stage, &report_b, &keys_file).await?;
+    watch.sidecar = Some((uid, None));
 
     let mut decisions: Vec<Decision> = Vec::new();
     let mut last_scale_time = None;

@@ -473,21 +473,6 @@ impl Prometheus {
             .unwrap_or_default())
     }
 
-    /// The active targets (`/api/v1/targets`): each with its `labels` after relabeling,
-    /// `scrapeUrl` and `health`.
-    pub async fn active_targets(&self) -> Result<Vec<Value>> {
-        let (status, body) = crate::http::get(self.addr, "/api/v1/targets?state=active").await?;
-        let json: Value =
-            serde_json::from_str(&body).with_context(|| format!("prometheus answered: {body}"))?;
-        if status != 200 || json["status"] != "success" {
-            bail!("targets: HTTP {status}: {body}");
-        }
-        Ok(json["data"]["activeTargets"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default())
-    }
-
     /// Stops the server and removes its data. Idempotent.
     pub fn stop(&self) {
         if let Some(mut c) = self
