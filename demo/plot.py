@@ -42,14 +42,14 @@ def main(timeline_path, png_path):
     for ax in (ax1, ax2):
         for d in report["decisions"]:
             ax.axvline(d["t"], color="tab:blue", alpha=0.25)
-    dataloader = report.get("dataloader_busy_pct")
+    before = [
+        "%.0f%% (%s)" % (report[key], name)
+        for key, name in (("baseline_busy_pct", "synchronous"), ("dataloader_busy_pct", "DataLoader"))
+        if report.get(key) is not None
+    ]
     ax1.set_title(
-        "stoker demo: GPU busy %.0f%% (synchronous)%s → %.0f%% (fed by stoker)"
-        % (
-            report["baseline_busy_pct"],
-            "" if dataloader is None else " → %.0f%% (DataLoader)" % dataloader,
-            report["final_busy_pct"],
-        )
+        "stoker demo: GPU busy %s%.0f%% (fed by stoker)"
+        % ("".join(b + " → " for b in before), report["final_busy_pct"])
     )
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)

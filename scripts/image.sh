@@ -7,6 +7,11 @@
 #   scripts/image.sh --check   then runs both binaries from the unpacked archive with runc as
 #                              uid 65532 on a read-only root, and checks the image's config;
 #                              exits non-zero when the image is broken
+#   scripts/image.sh --debug   the same image from the test build's target/debug binaries
+#                              (debug info stripped), without building them: what the tests
+#                              run (scripts/test.sh), since a release build takes ~15 min here
+#                              target/image/stoker-<version>-debug.oci.tar, tag <version>-debug
+#   (--debug and --check combine)
 #
 # No registry is needed: the Containerfile's base (localhost/stoker-base:bookworm) is assembled
 # here with debootstrap from this machine's Debian mirror and trimmed to what the binaries load
@@ -21,11 +26,14 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 check=false
-case "${1:-}" in
-  --check) check=true ;;
-  "") ;;
-  *) echo "usage: scripts/image.sh [--check]" >&2; exit 2 ;;
-esac
+profile=release
+for arg in "$@"; do
+  case "$arg" in
+    --check) check=true ;;
+    --debug) profile=debug ;;
+    *) echo "usage: scripts/image.sh [--debug] [--check]" >&2; exit 2 ;;
+  esac
+done
 start=$SECONDS
 log() { printf '[image %3ds] %s\n' $((SECONDS - start)) "$*" >&2; }
 
@@ -38,16 +46,19 @@ cache=${STOKER_CACHE:-$HOME/.cache/stoker}/image
 target=${CARGO_TARGET_DIR:-$root/target}
 version=$(sed -n '/^\[package\]/,/^\[/ s/^version = "\(.*\)"/\1/p' Cargo.toml)
 revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
-archive=$target/image/stoker-$version.oci.tar
+tag=$version
+[ "$profile" == debug ] && tag=$version-debug
+archive=$target/image/stoker-$tag.oci.tar
 
 if [ "$(id -u)" != 0 ]; then
   echo "scripts/image.sh needs root (debootstrap, buildah and runc)" >&2
   exit 1
 fi
 
-# buildah, runc, debootstrap and jq from Debian, installed only when missing.
+# buildah, runc, debootstrap, jq and objcopy (binutils) from Debian, installed only when missing.
 want=()
 for tool in buildah runc debootstrap jq; do command -v "$tool" >/dev/null || want+=("$tool"); done
+command -v objcopy >/dev/null || want+=(binutils)
 if [ ${#want[@]} -gt 0 ]; then
   log "installing ${want[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -128,11 +139,18 @@ assemble_base() {
   rm -rf "$work"
 }
 
-# 1. The binaries, release builds (a no-op when warm).
-log "cargo build --release (stoker-operator, stoker-loader)"
-cargo build --release --locked -p stoker-operator -p stoker-loader \
-  --bin stoker-operator --bin stoker-loader
-bins=("$target/release/stoker-operator" "$target/release/stoker-loader")
+# 1. The binaries: release builds (a no-op when warm), or the test build's as they are (a
+#    `cargo build -p` here could rebuild them with other features than the workspace's).
+bins=("$target/$profile/stoker-operator" "$target/$profile/stoker-loader")
+if [ "$profile" == release ]; then
+  log "cargo build --release (stoker-operator, stoker-loader)"
+  cargo build --release --locked -p stoker-operator -p stoker-loader \
+    --bin stoker-operator --bin stoker-loader
+else
+  for bin in "${bins[@]}"; do
+    [ -x "$bin" ] || { echo "$bin is missing: cargo build --workspace first" >&2; exit 1; }
+  done
+fi
 
 # 2. The base, built once per recipe and imported into buildah's storage under the FROM name.
 base_key=$({ declare -f assemble_base; echo "${base_packages[*]} $mirror"; } | sha256sum | cut -c1-16)
@@ -155,24 +173,29 @@ fi
 # 3. The image, when any input changed.
 key=$({
   sha256sum Containerfile "${bins[@]}" | cut -d' ' -f1
-  echo "$base_key $repository $version $revision"
+  echo "$base_key $repository $tag $revision"
 } | sha256sum | cut -d' ' -f1)
 if [ -f "$archive" ] && [ "$(cat "$archive.inputs" 2>/dev/null)" == "$key" ]; then
   log "up to date: $archive"
 else
-  log "buildah bud $repository:$version"
+  log "buildah bud $repository:$tag"
   context=$(mktemp -d)
   trap 'rm -rf "$context"' EXIT
-  cp "${bins[@]}" "$context/"
-  buildah rmi --force "$repository:$version" >/dev/null 2>&1 || true
+  if [ "$profile" == debug ]; then
+    # ~90 MB each with debug info, ~40 MB without; backtraces keep their symbol names.
+    for bin in "${bins[@]}"; do objcopy --strip-debug "$bin" "$context/${bin##*/}"; done
+  else
+    cp "${bins[@]}" "$context/"
+  fi
+  buildah rmi --force "$repository:$tag" >/dev/null 2>&1 || true
   # No RUN step, so no runtime (and no rlimits) is involved; --timestamp makes the layers
   # reproducible: the same inputs give the same digest.
   buildah bud --quiet --format oci --timestamp 0 -f Containerfile \
     --build-arg "VERSION=$version" --build-arg "REVISION=$revision" \
-    -t "$repository:$version" "$context" >/dev/null
+    -t "$repository:$tag" "$context" >/dev/null
   mkdir -p "$(dirname "$archive")"
   rm -f "$archive" "$archive.inputs"
-  buildah push --quiet "$repository:$version" "oci-archive:$archive.tmp:$repository:$version"
+  buildah push --quiet "$repository:$tag" "oci-archive:$archive.tmp:$repository:$tag"
   mv "$archive.tmp" "$archive"
   echo "$key" >"$archive.inputs"
   log "wrote $archive ($(du -m "$archive" | cut -f1) MB)"

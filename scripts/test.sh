@@ -2,9 +2,11 @@
 # Every test stoker has, on a fresh machine or a warm one:
 #   1. system packages (scripts/deps.sh), the Go-built control plane (scripts/tools.sh) and the
 #      Python venv (scripts/python-env.sh), each cached;
-#   2. cargo test for the whole workspace: unit tests, and end-to-end tests against a real
-#      control plane, a real S3 server, real gRPC processes and a real Prometheus;
-#   3. pytest for the Python client, against the real sidecar binary.
+#   2. the build, and stoker's container image from it (scripts/image.sh --debug);
+#   3. cargo test for the whole workspace: unit tests, and end-to-end tests against a real
+#      control plane, a real S3 server, real gRPC processes and a real Prometheus (the Helm
+#      e2e test installs the chart with that image);
+#   4. pytest for the Python client, against the real sidecar binary.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -20,6 +22,10 @@ venv=$(scripts/python-env.sh)
 
 step "build"
 cargo build --workspace --all-targets --locked
+# stoker's image from these binaries: the node runtime runs every stoker pod from it, and the
+# Helm e2e test installs the chart with it (cached; a release image takes a ~15 min build).
+step "image"
+scripts/image.sh --debug --check >/dev/null
 step "cargo test"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

@@ -105,7 +105,8 @@ pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(2);
 /// Prometheus as a cluster runs it: it finds the pods through the API server with the
 /// PodMonitors of the Helm chart at `chart` (so the autoscaler's `pipeline`, `role` and `node`
 /// labels come from the chart's relabelings), and the nodes' NIC counters from the runtime's
-/// node-exporter file. Blocking.
+/// node-exporter file. It listens on the runtime's host address, where an operator running as
+/// a pod reaches it too. Blocking.
 pub fn start_prometheus(
     cluster: &ControlPlane,
     runtime: &NodeRuntime,
@@ -115,6 +116,7 @@ pub fn start_prometheus(
     Prometheus::start(
         PrometheusOptions {
             scrape_interval: SCRAPE_INTERVAL,
+            listen_ip: runtime.host_ip(),
             ..PrometheusOptions::new(runtime.sd_dir())
         }
         .with_kubernetes(pods),
@@ -141,7 +143,7 @@ pub fn nic_mbit(cluster: &ControlPlane, cpu: u32, gpu: u32) -> BTreeMap<String, 
 #[derive(Clone, Debug)]
 pub struct StoryOptions {
     pub bucket: String,
-    /// Phase (a): how long the synchronous baseline runs.
+    /// Phase (a): how long the synchronous baseline runs; zero skips it (and phase (a')).
     pub baseline: Duration,
     /// Phases (b)+(c): the longest the autoscaler gets to feed the trainer.
     pub recover_timeout: Duration,
@@ -164,6 +166,19 @@ pub struct StoryOptions {
     /// Run a PyTorch DataLoader phase after the baseline, as long, with this many workers
     /// (the runtime must map [`TORCH_TRAINER_IMAGE`]).
     pub dataloader_workers: Option<u32>,
+    /// Where the operator runs.
+    pub operator: Operator,
+}
+
+/// Where the story's operator runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Operator {
+    /// In this process: the story installs the CRD and serves the webhook on loopback.
+    #[default]
+    InProcess,
+    /// Already installed in the cluster (`helm install`): its CRD, webhook, controller and
+    /// autoscaler are the installation's; the story only uses them.
+    Installed,
 }
 
 impl Default for StoryOptions {
@@ -183,6 +198,7 @@ impl Default for StoryOptions {
             work_dir: std::env::temp_dir().join("stoker-demo"),
             sidecar_cpu_millis: SIDECAR_CPU_MILLIS,
             dataloader_workers: None,
+            operator: Operator::InProcess,
         }
     }
 }
@@ -216,8 +232,8 @@ pub struct Decision {
 pub struct StoryReport {
     pub ticks: Vec<Tick>,
     pub decisions: Vec<Decision>,
-    /// Mean GPU busy % over the baseline phase.
-    pub baseline_busy_pct: f64,
+    /// Mean GPU busy % over the baseline phase, when it ran.
+    pub baseline_busy_pct: Option<f64>,
     /// Mean GPU busy % over the DataLoader phase, when it ran.
     pub dataloader_busy_pct: Option<f64>,
     /// Mean GPU busy % over the last `settle` seconds of the story.
@@ -268,11 +284,19 @@ async fn with_operator<T>(
 ) -> Result<T> {
     std::fs::create_dir_all(&opts.work_dir)?;
     let client = stage.cluster.client().await?;
-    install_crd(&client).await?;
+    if opts.operator == Operator::InProcess {
+        install_crd(&client).await?;
+    }
+    wait_until_served::<DataPipeline>(&client).await?;
     create_namespace(&client, stage.s3).await?;
-    let operator = start_operator(&client, stage, opts).await?;
+    let operator = match opts.operator {
+        Operator::InProcess => Some(start_operator(&client, stage, opts).await?),
+        Operator::Installed => None,
+    };
     let result = body(&client).await;
-    operator.cancel();
+    if let Some(operator) = operator {
+        operator.cancel();
+    }
     let _ = Api::<Namespace>::all(client.clone())
         .delete(NAMESPACE, &DeleteParams::background())
         .await;
@@ -378,52 +402,11 @@ async fn story(
     let started = Instant::now();
     let mut watch = Watch::new(stage.runtime, opts)?;
 
-    // (a) The baseline: the trainer fetches and decodes its own batches.
-    let report_a = opts.work_dir.join("baseline.jsonl");
-    let _ = std::fs::remove_file(&report_a);
-    pods.create(
-        &PostParams::default(),
-        &trainer_pod("trainer-sync", Feed::Sync, opts, &report_a, stage),
-    )
-    .await
-    .context("create the baseline trainer")?;
-    let phase_end = Instant::now() + opts.baseline;
-    while Instant::now() < phase_end {
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let tick = watch.tick(started, "baseline", &report_a, &[]).await?;
-        on_tick(&tick);
-    }
-    pods.delete("trainer-sync", &DeleteParams::default().grace_period(0))
-        .await?;
-    let baseline_busy_pct = watch.mean_busy_pct("baseline");
-
-    // (a') What most trainers try next: a DataLoader with worker processes on the GPU node.
-    let mut dataloader_busy_pct = None;
-    if let Some(workers) = opts.dataloader_workers {
-        let report = opts.work_dir.join("dataloader.jsonl");
-        let _ = std::fs::remove_file(&report);
-        let pod = trainer_pod(
-            "trainer-dataloader",
-            Feed::DataLoader(workers),
-            opts,
-            &report,
-            stage,
-        );
-        pods.create(&PostParams::default(), &pod)
-            .await
-            .context("create the DataLoader trainer")?;
-        let phase_end = Instant::now() + opts.baseline;
-        while Instant::now() < phase_end {
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            on_tick(&watch.tick(started, "dataloader", &report, &[]).await?);
-        }
-        pods.delete(
-            "trainer-dataloader",
-            &DeleteParams::default().grace_period(0),
-        )
-        .await?;
-        dataloader_busy_pct = Some(watch.mean_busy_pct("dataloader"));
-    }
+    let (baseline_busy_pct, dataloader_busy_pct) = if opts.baseline.is_zero() {
+        (None, None)
+    } else {
+        baselines(&pods, stage, opts, &mut watch, started, on_tick).await?
+    };
 
     // (b) The pipeline, autoscaled, from one decoder.
     dps.create(&PostParams::default(), &pipeline(opts, stage))
@@ -534,6 +517,65 @@ async fn story(
         sidecar_cpus_peak,
         sidecar_cpu_limit: f64::from(opts.sidecar_cpu_millis) / 1000.0,
     })
+}
+
+/// (a) The baseline: the trainer fetches and decodes its own batches; then (a') when asked,
+/// what most trainers try next: a DataLoader with worker processes on the GPU node. Returns
+/// their mean GPU busy %.
+async fn baselines(
+    pods: &Api<Pod>,
+    stage: &Stage<'_>,
+    opts: &StoryOptions,
+    watch: &mut Watch<'_>,
+    started: Instant,
+    on_tick: &mut impl FnMut(&Tick),
+) -> Result<(Option<f64>, Option<f64>)> {
+    let report_a = opts.work_dir.join("baseline.jsonl");
+    let _ = std::fs::remove_file(&report_a);
+    pods.create(
+        &PostParams::default(),
+        &trainer_pod("trainer-sync", Feed::Sync, opts, &report_a, stage),
+    )
+    .await
+    .context("create the baseline trainer")?;
+    let phase_end = Instant::now() + opts.baseline;
+    while Instant::now() < phase_end {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let tick = watch.tick(started, "baseline", &report_a, &[]).await?;
+        on_tick(&tick);
+    }
+    pods.delete("trainer-sync", &DeleteParams::default().grace_period(0))
+        .await?;
+    let baseline_busy_pct = watch.mean_busy_pct("baseline");
+
+    // (a') What most trainers try next: a DataLoader with worker processes on the GPU node.
+    let mut dataloader_busy_pct = None;
+    if let Some(workers) = opts.dataloader_workers {
+        let report = opts.work_dir.join("dataloader.jsonl");
+        let _ = std::fs::remove_file(&report);
+        let pod = trainer_pod(
+            "trainer-dataloader",
+            Feed::DataLoader(workers),
+            opts,
+            &report,
+            stage,
+        );
+        pods.create(&PostParams::default(), &pod)
+            .await
+            .context("create the DataLoader trainer")?;
+        let phase_end = Instant::now() + opts.baseline;
+        while Instant::now() < phase_end {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            on_tick(&watch.tick(started, "dataloader", &report, &[]).await?);
+        }
+        pods.delete(
+            "trainer-dataloader",
+            &DeleteParams::default().grace_period(0),
+        )
+        .await?;
+        dataloader_busy_pct = Some(watch.mean_busy_pct("dataloader"));
+    }
+    Ok((Some(baseline_busy_pct), dataloader_busy_pct))
 }
 
 /// Samples the trainer's report, every node's NIC counters and the sidecar's CPU time.
@@ -700,14 +742,22 @@ async fn install_crd(client: &Client) -> Result<()> {
         &Patch::Apply(&crd),
     )
     .await?;
-    let dps: Api<DataPipeline> = Api::all(client.clone());
+    Ok(())
+}
+
+/// Waits until the API server serves the kind (a CRD is served a moment after it is created).
+async fn wait_until_served<K>(client: &Client) -> Result<()>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let api: Api<K> = Api::all(client.clone());
     for _ in 0..150 {
-        if dps.list(&ListParams::default().limit(1)).await.is_ok() {
+        if api.list(&ListParams::default().limit(1)).await.is_ok() {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    bail!("the DataPipeline CRD was not served within 30s")
+    bail!("{} is not served after 30s", K::kind(&()))
 }
 
 async fn create_namespace(client: &Client, s3: &S3Server) -> Result<()> {

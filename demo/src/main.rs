@@ -181,10 +181,9 @@ fn print_decision(d: &Decision) {
 
 fn summarize(r: &StoryReport) {
     println!("\n== summary");
-    println!(
-        "  GPU busy, trainer loading synchronously: {:>5.1}%",
-        r.baseline_busy_pct
-    );
+    if let Some(busy) = r.baseline_busy_pct {
+        println!("  GPU busy, trainer loading synchronously: {busy:>5.1}%");
+    }
     if let Some(busy) = r.dataloader_busy_pct {
         println!("  GPU busy, PyTorch DataLoader:            {busy:>5.1}%");
     }

@@ -196,6 +196,10 @@ impl ControlPlane {
                 "--service-cluster-ip-range=10.96.0.0/16".into(),
                 "--authorization-mode=RBAC".into(),
                 "--endpoint-reconciler-type=none".into(),
+                // Webhooks and aggregated APIs behind a Service are called at the Service's
+                // endpoint addresses (pod IPs, routed here) instead of its cluster IP (no
+                // kube-proxy here): what a Helm-installed webhook needs.
+                "--enable-aggregator-routing=true".into(),
                 "--allow-privileged=true".into(),
                 "--profiling=false".into(),
                 "--v=1".into(),

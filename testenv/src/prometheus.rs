@@ -32,6 +32,10 @@ pub struct PrometheusOptions {
     pub binary: Option<PathBuf>,
     /// Discover pods through the API server; `None` reads `loaders.json` instead.
     pub kubernetes: Option<KubernetesDiscovery>,
+    /// The address it listens on: loopback, or the runtime's [`host_ip`] for pods to query it.
+    ///
+    /// [`host_ip`]: crate::runtime::NodeRuntime::host_ip
+    pub listen_ip: std::net::Ipv4Addr,
 }
 
 /// Pod discovery as on a cluster: `kubernetes_sd_configs` against the test API server, one
@@ -51,6 +55,7 @@ impl PrometheusOptions {
             scrape_interval: Duration::from_secs(1),
             binary: None,
             kubernetes: None,
+            listen_ip: std::net::Ipv4Addr::LOCALHOST,
         }
     }
 
@@ -364,7 +369,7 @@ impl Prometheus {
         };
         std::fs::write(&config, text)?;
         let port = crate::net::free_port()?;
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let addr = SocketAddr::from((options.listen_ip, port));
         let component = Component::start(
             "prometheus",
             &binary,
@@ -447,7 +452,7 @@ impl Prometheus {
         }
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://<listen_ip>:PORT`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }

@@ -1,7 +1,9 @@
-//! The world both demo tests run in: the shared control plane, a node runtime (every pod in
+//! The world the demo tests run in: the shared control plane, a node runtime (every pod in
 //! runc, the trainer from [`stoker_demo::trainer_image`]), the S3 server holding a small set of
 //! real photographs, and Prometheus finding the pods through the API server with the chart's
 //! PodMonitors.
+// Each test binary compiles this module and uses part of it.
+#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,6 +31,12 @@ pub struct World {
 impl World {
     /// Call from a multi-threaded tokio test.
     pub fn start() -> World {
+        Self::start_with(RuntimeOptions::default())
+    }
+
+    /// [`World::start`] with the runtime's stoker image options from `base` (the rest are
+    /// the world's).
+    pub fn start_with(base: RuntimeOptions) -> World {
         let python = std::env::var("STOKER_PYTHON")
             .expect("STOKER_PYTHON: the venv python from scripts/python-env.sh");
         let work = tempfile::tempdir().expect("tempdir");
@@ -50,7 +58,7 @@ impl World {
                 RuntimeOptions {
                     images: vec![trainer],
                     nic_mbit,
-                    ..RuntimeOptions::default()
+                    ..base
                 },
             )
         })

@@ -557,6 +557,12 @@ impl NodeRuntime {
         format!("http://{}/nodes/{node}/metrics", self.exporter)
     }
 
+    /// The root namespace's address on the nodes' bridge: a service started here on this
+    /// address (Prometheus, for an operator running as a pod) is reachable from every pod.
+    pub fn host_ip(&self) -> Ipv4Addr {
+        self.slot.bridge_ip()
+    }
+
     /// Prometheus file_sd files: `nodes.json` (node exporters) and `loaders.json` (loaders).
     pub fn sd_dir(&self) -> PathBuf {
         self.dir.join("sd")
