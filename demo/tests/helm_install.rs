@@ -20,6 +20,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use stoker_demo::{NAMESPACE, Operator, StoryOptions};
 use stoker_testenv::cluster::{ControlPlane, restricted_namespace_labels};
+use stoker_testenv::eventually;
 use stoker_testenv::runtime::{ImageSource, RuntimeOptions};
 
 const RELEASE: &str = "stoker";
@@ -101,16 +102,19 @@ async fn helm_install_feeds_a_trainer_and_helm_uninstall_removes_the_chart() {
         .collect();
     assert_eq!(operators.len(), 2, "two operator replicas: {operators:?}");
     let leases: Api<Lease> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
-    let holder = poll(Duration::from_secs(60), async || {
-        leases
-            .get_opt("stoker-leader")
-            .await
-            .ok()
-            .flatten()
-            .and_then(|l| l.spec?.holder_identity)
-    })
-    .await
-    .expect("an operator replica holds the Lease");
+    let holder = eventually(
+        "an operator replica to hold the Lease",
+        Duration::from_secs(60),
+        || async {
+            leases
+                .get_opt("stoker-leader")
+                .await
+                .ok()
+                .flatten()
+                .and_then(|l| l.spec?.holder_identity)
+        },
+    )
+    .await;
     assert!(
         operators.contains(&holder),
         "the leader {holder} is one of {operators:?}"
@@ -190,15 +194,18 @@ async fn helm_install_feeds_a_trainer_and_helm_uninstall_removes_the_chart() {
             .filter(|o| !made_by_the_operator.contains(o))
             .collect::<Vec<_>>()
     };
-    let clean = poll(Duration::from_secs(60), async || {
-        left_by_helm().is_empty().then_some(())
-    })
+    eventually(
+        "helm uninstall to remove every stoker object",
+        Duration::from_secs(60),
+        || async {
+            let left = left_by_helm();
+            if !left.is_empty() {
+                eprintln!("left after helm uninstall: {left:?}");
+            }
+            left.is_empty().then_some(())
+        },
+    )
     .await;
-    assert!(
-        clean.is_some(),
-        "helm uninstall left stoker objects behind: {:?}",
-        left_by_helm()
-    );
     eprintln!(
         "left after helm uninstall (made by the operator): {:?}",
         stoker_objects(cp)
@@ -233,27 +240,14 @@ fn helm(cp: &ControlPlane, args: &[&str]) {
     );
 }
 
-/// `f`'s first `Some`, or `None` after `timeout`.
-async fn poll<T>(timeout: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> Option<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return Some(v);
-        }
-        if Instant::now() > deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-}
-
 async fn wait_until_gone(client: &kube::Client, namespace: &str) {
     let namespaces: Api<Namespace> = Api::all(client.clone());
-    let gone = poll(Duration::from_secs(120), async || {
-        matches!(namespaces.get_opt(namespace).await, Ok(None)).then_some(())
-    })
+    eventually(
+        &format!("namespace {namespace} to be deleted"),
+        Duration::from_secs(120),
+        || async { matches!(namespaces.get_opt(namespace).await, Ok(None)).then_some(()) },
+    )
     .await;
-    assert!(gone.is_some(), "namespace {namespace} was not deleted");
 }
 
 /// Every object of every listable kind that is stoker's: in the release namespace (but the
