@@ -4,10 +4,14 @@
 
 use std::time::Duration;
 
-use kube::Client;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::{Api, Client};
 use kube_lease_manager::{LeaseCreateMode, LeaseManager, LeaseParams};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+use crate::installation;
 
 #[derive(Clone, Debug)]
 pub struct LeaseConfig {
@@ -118,6 +122,17 @@ impl Leadership {
                     }
                 }
             }
+        }
+    }
+
+    /// Makes the Lease belong to `owner` (see [`crate::installation`]). kube-lease-manager
+    /// creates it and renews only the fields of its spec, so the reference stays.
+    pub async fn adopt(&self, client: &Client, owner: &OwnerReference) {
+        let api: Api<Lease> = Api::namespaced(client.clone(), &self.config.namespace);
+        match api.get(&self.config.name).await {
+            Ok(lease) => installation::adopt(&api, &lease, owner).await,
+            Err(e) => tracing::warn!(lease = %self.config.name, error = %e,
+                "could not read the Lease to set its owner"),
         }
     }
 

@@ -8,6 +8,7 @@ pub mod api;
 pub mod autoscale;
 pub mod build;
 pub mod controller;
+pub mod installation;
 pub mod leader;
 pub mod telemetry;
 pub mod webhook;
@@ -37,6 +38,9 @@ pub struct Config {
     pub metrics_listen: Option<SocketAddr>,
     /// The autoscaler and the Prometheus it reads; `None` runs no autoscaler.
     pub autoscaler: Option<autoscale::AutoscalerSettings>,
+    /// The MutatingWebhookConfiguration the operator's own Secrets and Lease belong to (see
+    /// [`installation`]); `None` leaves them without an owner.
+    pub installation: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +82,10 @@ pub async fn start(
     shutdown: CancellationToken,
 ) -> Result<Running, RunError> {
     let metrics = Arc::new(Metrics::default());
+    let owner = match &config.installation {
+        Some(name) => installation::owner(&client, name).await,
+        None => None,
+    };
     let metrics_addr = match config.metrics_listen {
         Some(addr) => Some(
             telemetry::serve(addr, metrics.clone(), shutdown.clone())
@@ -94,6 +102,7 @@ pub async fn start(
                 w,
                 config.defaults.clone(),
                 metrics.clone(),
+                owner.clone(),
                 shutdown.clone(),
             )
             .await?
@@ -113,7 +122,8 @@ pub async fn start(
         .map_err(RunError::Autoscaler)?;
     let ctx = Arc::new(
         controller::Context::new(client.clone(), config.defaults.clone(), metrics.clone())
-            .with_autoscaler(autoscaler),
+            .with_autoscaler(autoscaler)
+            .with_owner(owner.clone()),
     );
     let m = metrics.clone();
     let task = tokio::spawn(async move {
@@ -122,10 +132,14 @@ pub async fn start(
             controller::run(ctx, config.watch_namespace, shutdown).await;
             return Ok(());
         };
-        let Some(leadership) = Leadership::acquire(client, lease.clone(), &shutdown).await else {
+        let Some(leadership) = Leadership::acquire(client.clone(), lease.clone(), &shutdown).await
+        else {
             return Ok(());
         };
         tracing::info!(lease = %lease.name, identity = %lease.identity, "leading");
+        if let Some(owner) = &owner {
+            leadership.adopt(&client, owner).await;
+        }
         m.set_leader(true);
         let controller_stop = shutdown.child_token();
         let controller = tokio::spawn(controller::run(

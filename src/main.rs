@@ -150,6 +150,7 @@ async fn main() -> anyhow::Result<()> {
             refresh_interval: Duration::from_secs(600),
         }),
         metrics_listen: Some(args.metrics_listen),
+        installation: Some(args.webhook_configuration.clone()),
         autoscaler: args.prometheus_url.clone().map(|url| AutoscalerSettings {
             prometheus_url: Some(url),
             period: Duration::from_secs(args.autoscale_period_seconds),

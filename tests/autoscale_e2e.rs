@@ -181,6 +181,7 @@ async fn a_starved_trainer_scales_decoders_from_prometheus_signals() {
         },
         webhook: None,
         metrics_listen: None,
+        installation: None,
         autoscaler: Some(AutoscalerSettings {
             prometheus_url: Some(scraped.prometheus.url()),
             period: PERIOD,

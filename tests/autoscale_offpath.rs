@@ -55,6 +55,7 @@ async fn a_slow_prometheus_never_slows_a_reconcile() {
         },
         webhook: None,
         metrics_listen: None,
+        installation: None,
         autoscaler: Some(AutoscalerSettings {
             prometheus_url: Some(prometheus.url()),
             period: Duration::from_secs(2),

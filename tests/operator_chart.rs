@@ -10,7 +10,7 @@ use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, ListParams, ObjectMeta, PostParams};
 use operator_support::*;
 use stoker_operator::Config;
 use stoker_operator::api::DataPipeline;
@@ -137,6 +137,7 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         }),
         metrics_listen: Some("127.0.0.1:0".parse().expect("addr")),
         autoscaler: None,
+        installation: Some("stoker".into()),
     };
     let op = Operator::start_with(client, config).await;
 
@@ -219,9 +220,36 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         "RBAC denied something:\n{metrics}"
     );
     assert!(metrics.contains("stoker_leader 1"), "{metrics}");
+
+    // What the operator made for itself belongs to the webhook configuration, set through the
+    // chart's RBAC (the CA is in the pipeline's namespace here: no POD_NAMESPACE).
+    let mwc_uid = mwc.metadata.uid.clone().expect("uid");
+    let owned_by_mwc = |meta: &ObjectMeta| {
+        meta.owner_references
+            .iter()
+            .flatten()
+            .any(|r| r.uid == mwc_uid && r.kind == "MutatingWebhookConfiguration")
+    };
+    let secrets: Api<Secret> = Api::namespaced(release.client.clone(), &ns);
+    let app_secrets: Api<Secret> = Api::namespaced(release.client.clone(), &app.name);
+    eventually(
+        "owners on the Secrets and the Lease",
+        Duration::from_secs(30),
+        || async {
+            let webhook_tls = secrets.get("stoker-webhook-tls").await.ok()?;
+            let ca = app_secrets.get("stoker-ca").await.ok()?;
+            let lease = leases.get("stoker-leader").await.ok()?;
+            [webhook_tls.metadata, ca.metadata, lease.metadata]
+                .iter()
+                .all(owned_by_mwc)
+                .then_some(())
+        },
+    )
+    .await;
     op.stop().await;
 
-    // Leave no cluster-scoped objects behind for other tests of this control plane.
+    // Leave no cluster-scoped objects behind for other tests of this control plane; the
+    // garbage collector then removes what the operator made.
     let mut delete = cp.kubectl();
     delete.args([
         "delete",
@@ -231,6 +259,17 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         "clusterrolebinding/stoker",
     ]);
     run(delete, None);
+    eventually(
+        "the operator's Secrets and Lease to go with their owner",
+        Duration::from_secs(60),
+        || async {
+            let gone = matches!(secrets.get_opt("stoker-webhook-tls").await, Ok(None))
+                && matches!(app_secrets.get_opt("stoker-ca").await, Ok(None))
+                && matches!(leases.get_opt("stoker-leader").await, Ok(None));
+            gone.then_some(())
+        },
+    )
+    .await;
 }
 
 fn helm_template(values: &[&str]) -> Result<String, String> {

@@ -30,6 +30,7 @@ async fn replica(client: &Client, ns: &str, identity: &str) -> Operator {
         },
         webhook: None,
         metrics_listen: None,
+        installation: None,
         autoscaler: None,
     };
     Operator::start_with(client.clone(), config).await

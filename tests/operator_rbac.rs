@@ -117,6 +117,7 @@ async fn the_operator_runs_under_the_charts_namespaced_rbac_and_nothing_more() {
         },
         webhook: None,
         metrics_listen: None,
+        installation: None,
         autoscaler: Some(AutoscalerSettings {
             prometheus_url: Some(prometheus.url()),
             period: Duration::from_secs(1),

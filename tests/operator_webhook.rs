@@ -399,7 +399,7 @@ async fn a_certificate_near_expiry_is_renewed_with_the_same_ca() {
     let mut short = self_managed(&ns.name, &mwc_name);
     short.validity = Duration::from_secs(86_400);
     short.renew_before = Duration::ZERO;
-    let old = stoker_operator::webhook::tls::ensure_secret(&ns.client, &short)
+    let old = stoker_operator::webhook::tls::ensure_secret(&ns.client, &short, None)
         .await
         .expect("seed the Secret");
 

@@ -836,6 +836,8 @@ async fn start_operator(
         },
         webhook: Some(webhook),
         metrics_listen: None,
+        // As the chart runs it: the operator's own objects go with the webhook configuration.
+        installation: Some(mwc_name.into()),
         autoscaler: Some(AutoscalerSettings {
             prometheus_url: Some(stage.prometheus.url()),
             // Prometheus scrapes every 2 s here: rates over 12 s, a decision every 6 s.

@@ -180,25 +180,13 @@ async fn helm_install_feeds_a_trainer_and_helm_uninstall_removes_the_chart() {
             "--wait",
         ],
     );
-    // Known gap, still open: the operator makes these three at run time (its webhook and
-    // pipeline CA certificates, its leader Lease) and nothing owns them, so they outlive the
-    // release. Anything else left behind fails the test.
-    let made_by_the_operator = [
-        format!("Secret {RELEASE_NAMESPACE}/stoker-webhook-tls"),
-        format!("Secret {RELEASE_NAMESPACE}/stoker-ca"),
-        format!("Lease {RELEASE_NAMESPACE}/stoker-leader"),
-    ];
-    let left_by_helm = || {
-        stoker_objects(cp)
-            .into_iter()
-            .filter(|o| !made_by_the_operator.contains(o))
-            .collect::<Vec<_>>()
-    };
+    // The operator's own Secrets and Lease belong to the webhook configuration Helm deletes, so
+    // the garbage collector removes them too.
     eventually(
         "helm uninstall to remove every stoker object",
         Duration::from_secs(60),
         || async {
-            let left = left_by_helm();
+            let left = stoker_objects(cp);
             if !left.is_empty() {
                 eprintln!("left after helm uninstall: {left:?}");
             }
@@ -206,10 +194,6 @@ async fn helm_install_feeds_a_trainer_and_helm_uninstall_removes_the_chart() {
         },
     )
     .await;
-    eprintln!(
-        "left after helm uninstall (made by the operator): {:?}",
-        stoker_objects(cp)
-    );
     world.runtime.shutdown();
 }
 

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -30,6 +30,7 @@ use super::FIELD_MANAGER;
 use crate::api::DataPipeline;
 use crate::build::decoder_pod::{tls_peer_name, tls_secret_name};
 use crate::build::{child_meta, decoder_service_name};
+use crate::installation;
 
 /// The installation's CA, in the operator's namespace.
 pub const CA_SECRET: &str = "stoker-ca";
@@ -288,9 +289,14 @@ fn managed_labels() -> BTreeMap<String, String> {
     )])
 }
 
-/// The CA from its Secret, made (or replaced) first when needed. Safe against concurrent
-/// reconciles: the loser of a create or replace race reads the winner's CA.
-pub async fn ensure_ca(client: &Client, namespace: &str) -> Result<Ca, CertError> {
+/// The CA from its Secret, made (or replaced) first when needed; the Secret belongs to `owner`
+/// (see [`crate::installation`]). Safe against concurrent reconciles: the loser of a create or
+/// replace race reads the winner's CA.
+pub async fn ensure_ca(
+    client: &Client,
+    namespace: &str,
+    owner: Option<&OwnerReference>,
+) -> Result<Ca, CertError> {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let err = |verb, source| CertError::Secret {
         verb,
@@ -301,7 +307,12 @@ pub async fn ensure_ca(client: &Client, namespace: &str) -> Result<Ca, CertError
     for _ in 0..5 {
         let existing = api.get_opt(CA_SECRET).await.map_err(|e| err("get", e))?;
         let Some(reason) = ca_renewal(existing.as_ref(), Timestamp::now()) else {
-            if let Some(ca) = existing.as_ref().and_then(ca_from_secret) {
+            if let Some(secret) = &existing
+                && let Some(ca) = ca_from_secret(secret)
+            {
+                if let Some(owner) = owner {
+                    installation::adopt(&api, secret, owner).await;
+                }
                 return Ok(ca);
             }
             continue;
@@ -324,6 +335,7 @@ pub async fn ensure_ca(client: &Client, namespace: &str) -> Result<Ca, CertError
                     .and_then(|s| s.metadata.resource_version.clone()),
                 annotations: Some(times(ca.not_before, ca.not_after)),
                 labels: Some(managed_labels()),
+                owner_references: installation::references(owner),
                 ..ObjectMeta::default()
             },
             type_: Some("Opaque".to_string()),
@@ -374,14 +386,15 @@ pub fn pipeline_secret(dp: &DataPipeline, ca: &Ca, leaf: &Leaf) -> Secret {
     }
 }
 
-/// Makes sure `dp`'s Secret holds a current certificate; returns why it was (re)issued, if it
-/// was.
+/// Makes sure `dp`'s Secret holds a current certificate (under the CA that belongs to
+/// `installation`); returns why it was (re)issued, if it was.
 pub async fn ensure_pipeline_secret(
     client: &Client,
     dp: &DataPipeline,
+    installation: Option<&OwnerReference>,
 ) -> Result<Option<&'static str>, CertError> {
     let namespace = dp.namespace().unwrap_or_default();
-    let ca = ensure_ca(client, &ca_namespace(&namespace)).await?;
+    let ca = ensure_ca(client, &ca_namespace(&namespace), installation).await?;
     let name = tls_secret_name(dp);
     let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
     let err = |verb, source| CertError::Secret {

@@ -25,6 +25,7 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
@@ -56,6 +57,8 @@ pub struct Context {
     pub resync: Duration,
     /// `None`: no autoscaling; pipelines in `auto` mode run `decoders.minReplicas`.
     pub autoscaler: Option<autoscaling::AutoscalerHandle>,
+    /// What the installation's CA Secret belongs to (see [`crate::installation`]).
+    pub owner: Option<OwnerReference>,
     /// The running controller's caches of the children; `None` outside [`run`].
     children: RwLock<Option<ChildStores>>,
     /// Pod writes the pod caches may not show yet.
@@ -133,6 +136,7 @@ impl Context {
             reporter,
             resync: Duration::from_secs(300),
             autoscaler: None,
+            owner: None,
             children: RwLock::new(None),
             pod_writes: expectations::PodExpectations::default(),
             sidecar_tokens: std::sync::Mutex::default(),
@@ -156,6 +160,11 @@ impl Context {
 
     pub fn with_autoscaler(mut self, autoscaler: Option<autoscaling::AutoscalerHandle>) -> Self {
         self.autoscaler = autoscaler;
+        self
+    }
+
+    pub fn with_owner(mut self, owner: Option<OwnerReference>) -> Self {
+        self.owner = owner;
         self
     }
 }

@@ -96,7 +96,7 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
             source,
         })?;
     // Before the decoders that mount it: a pod whose Secret is missing waits for it.
-    certs::ensure_pipeline_secret(&ctx.client, dp).await?;
+    certs::ensure_pipeline_secret(&ctx.client, dp, ctx.owner.as_ref()).await?;
     apply::apply_desired(ctx, &key, &desired, now).await?;
     report(ctx, dp, &key, &desired.decoders, &scale).await;
     let mut status = settled_status(dp, &observed, &desired, &scale, now);

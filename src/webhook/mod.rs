@@ -14,6 +14,7 @@ use axum_server::Handle;
 use axum_server::tls_rustls::RustlsConfig;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::Api;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
@@ -168,9 +169,10 @@ pub async fn serve(
     config: WebhookConfig,
     defaults: BuildDefaults,
     metrics: Arc<Metrics>,
+    owner: Option<OwnerReference>,
     shutdown: CancellationToken,
 ) -> Result<WebhookServer, WebhookError> {
-    let (cert, key) = load_certificate(&client, &config.tls).await?;
+    let (cert, key) = load_certificate(&client, &config.tls, owner.as_ref()).await?;
     let rustls = RustlsConfig::from_pem(cert, key)
         .await
         .map_err(tls::TlsError::Load)?;
@@ -194,7 +196,7 @@ pub async fn serve(
         });
 
     tokio::spawn(refresh_certificate(
-        client, config, rustls, handle, shutdown,
+        client, config, rustls, handle, owner, shutdown,
     ));
     let task = tokio::spawn(async move {
         if let Err(e) = server.serve(app.into_make_service()).await {
@@ -205,10 +207,12 @@ pub async fn serve(
     Ok(WebhookServer { local_addr, task })
 }
 
-/// The serving certificate and its key, PEM; issued first when self-managed.
+/// The serving certificate and its key, PEM; issued first when self-managed (its Secret
+/// belonging to `owner`).
 async fn load_certificate(
     client: &Client,
     source: &TlsSource,
+    owner: Option<&OwnerReference>,
 ) -> Result<(Vec<u8>, Vec<u8>), tls::TlsError> {
     match source {
         TlsSource::Files { cert, key } => {
@@ -221,7 +225,7 @@ async fn load_certificate(
             Ok((read(cert)?, read(key)?))
         }
         TlsSource::SelfManaged(cfg) => {
-            let issued = tls::ensure_secret(client, cfg).await?;
+            let issued = tls::ensure_secret(client, cfg, owner).await?;
             if tls::patch_ca_bundle(client, &cfg.webhook_configuration, &issued.ca_pem).await? {
                 tracing::info!(webhook = %cfg.webhook_configuration, "caBundle updated");
             }
@@ -237,6 +241,7 @@ async fn refresh_certificate(
     config: WebhookConfig,
     rustls: RustlsConfig,
     server: Handle<std::net::SocketAddr>,
+    owner: Option<OwnerReference>,
     shutdown: CancellationToken,
 ) {
     loop {
@@ -247,7 +252,7 @@ async fn refresh_certificate(
             }
             () = tokio::time::sleep(config.refresh_interval) => {}
         }
-        let reloaded = match load_certificate(&client, &config.tls).await {
+        let reloaded = match load_certificate(&client, &config.tls, owner.as_ref()).await {
             Ok((cert, key)) => rustls
                 .reload_from_pem(cert, key)
                 .await

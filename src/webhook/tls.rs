@@ -11,10 +11,12 @@ use base64::Engine;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, PostParams};
+
+use crate::installation;
 
 const ANNOTATION_NOT_AFTER: &str = "stoker.dev/not-after";
 const ANNOTATION_SANS: &str = "stoker.dev/sans";
@@ -239,9 +241,14 @@ pub fn needs_renewal(secret: &Secret, cfg: &SelfManaged, now: Timestamp) -> bool
         || left < cfg.renew_before.as_secs_f64()
 }
 
-/// Loads the certificate from the Secret, issuing (or renewing) it first when needed. Safe to
-/// run from several replicas at once: writes are guarded by create/resourceVersion conflicts.
-pub async fn ensure_secret(client: &Client, cfg: &SelfManaged) -> Result<Issued, TlsError> {
+/// Loads the certificate from the Secret, issuing (or renewing) it first when needed; the Secret
+/// belongs to `owner` (see [`crate::installation`]). Safe to run from several replicas at once:
+/// writes are guarded by create/resourceVersion conflicts.
+pub async fn ensure_secret(
+    client: &Client,
+    cfg: &SelfManaged,
+    owner: Option<&OwnerReference>,
+) -> Result<Issued, TlsError> {
     let api: Api<Secret> = Api::namespaced(client.clone(), &cfg.secret_namespace);
     let err = |source| TlsError::Secret {
         namespace: cfg.secret_namespace.clone(),
@@ -253,6 +260,9 @@ pub async fn ensure_secret(client: &Client, cfg: &SelfManaged) -> Result<Issued,
         if let Some(s) = &existing
             && !needs_renewal(s, cfg, Timestamp::now())
         {
+            if let Some(owner) = owner {
+                installation::adopt(&api, s, owner).await;
+            }
             return from_secret(s, cfg);
         }
         let previous = existing.as_ref().and_then(|s| from_secret(s, cfg).ok());
@@ -281,6 +291,7 @@ pub async fn ensure_secret(client: &Client, cfg: &SelfManaged) -> Result<Issued,
                     "app.kubernetes.io/managed-by".to_string(),
                     "stoker-operator".to_string(),
                 )])),
+                owner_references: installation::references(owner),
                 ..ObjectMeta::default()
             },
             type_: Some("kubernetes.io/tls".to_string()),

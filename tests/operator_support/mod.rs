@@ -122,6 +122,7 @@ impl Operator {
             },
             webhook,
             metrics_listen: None,
+            installation: None,
             autoscaler: None,
         };
         Self::start_with(client, config).await
