@@ -3,9 +3,9 @@
 #   1. system packages (scripts/deps.sh), the Go-built control plane (scripts/tools.sh) and the
 #      Python venv (scripts/python-env.sh), each cached;
 #   2. the build, and stoker's container image from it (scripts/image.sh --debug);
-#   3. cargo test for the whole workspace: unit tests, and end-to-end tests against a real
-#      control plane, a real S3 server, real gRPC processes and a real Prometheus (the Helm
-#      e2e test installs the chart with that image);
+#   3. cargo test for the whole workspace (scripts/cargo-tests.py): unit tests, and end-to-end
+#      tests against a real control plane, a real S3 server, real gRPC processes and a real
+#      Prometheus (the Helm e2e test installs the chart with that image);
 #   4. pytest for the Python client, against the real sidecar binary.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,7 +30,10 @@ step "cargo test"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 # STOKER_PYTHON: the demo's simulated trainer and dataset generator run in the venv.
-STOKER_PYTHON="$venv/bin/python" cargo test --workspace --locked 2>&1 | tee "$log"
+# scripts/cargo-tests.py is `cargo test --workspace` with the test binaries run two at a time,
+# those that measure CPU or bandwidth alone; the doc tests are the only ones it leaves out.
+export STOKER_PYTHON="$venv/bin/python"
+{ cargo test --workspace --locked --doc && scripts/cargo-tests.py --locked; } 2>&1 | tee "$log"
 # test result: ok. 6 passed; 0 failed; 0 ignored; ...
 read -r passed failed < <(awk '/^test result:/ {p += $4; f += $6} END {print p+0, f+0}' "$log")
 

@@ -26,7 +26,7 @@ fn template(cp: &ControlPlane, ns: &str, extra: &[&str]) -> String {
     cmd.args([
         "template",
         "stoker",
-        CHART,
+        chart().as_str(),
         "--namespace",
         ns,
         "--include-crds",
@@ -53,7 +53,8 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         ][..],
     ] {
         let mut lint = cp.helm();
-        lint.args(["lint", "--strict", CHART]).args(values);
+        lint.args(["lint", "--strict", chart().as_str()])
+            .args(values);
         run(lint, None);
     }
     // A typo in a value fails `helm install` against the real cluster, before anything is made.
@@ -62,7 +63,7 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         .args([
             "install",
             "typo",
-            CHART,
+            chart().as_str(),
             "--namespace",
             &release.name,
             "--set",
@@ -274,7 +275,13 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
 
 fn helm_template(values: &[&str]) -> Result<String, String> {
     let out = Command::new(stoker_testenv::cluster::bin_dir().join("helm"))
-        .args(["template", "stoker", CHART, "--namespace", "stoker"])
+        .args([
+            "template",
+            "stoker",
+            chart().as_str(),
+            "--namespace",
+            "stoker",
+        ])
         .args(values)
         .output()
         .expect("run helm (scripts/tools.sh builds it)");
@@ -350,7 +357,7 @@ fn the_autoscaler_values_reach_flags_the_operator_knows() {
 
     // One image for operator and loader, tagged with the chart's appVersion.
     let chart: serde_json::Value = serde_yaml::from_str(
-        &std::fs::read_to_string(format!("{CHART}/Chart.yaml")).expect("Chart.yaml"),
+        &std::fs::read_to_string(format!("{}/Chart.yaml", chart())).expect("Chart.yaml"),
     )
     .expect("Chart.yaml parses");
     let image = format!(
@@ -410,7 +417,7 @@ fn a_typo_in_a_value_fails_the_rendering() {
 /// The metric names the README's Metrics tables document (`_suffix` entries expanded with the
 /// cell's first name's prefix, e.g. `_desired_decoders` → `stoker_autoscaler_desired_decoders`).
 fn documented_metrics() -> std::collections::BTreeSet<String> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+    let readme = std::fs::read_to_string(stoker_testenv::manifest_dir().join("README.md"))
         .expect("README.md");
     let section = readme
         .split("\n## Metrics")
@@ -444,8 +451,8 @@ fn exported_by_the_code(name: &str, operator: &str) -> bool {
         .iter()
         .find_map(|s| name.strip_suffix(s))
         .unwrap_or(name);
-    let root = env!("CARGO_MANIFEST_DIR");
-    let source = |file: &str| std::fs::read_to_string(format!("{root}/{file}")).expect(file);
+    let root = stoker_testenv::manifest_dir();
+    let source = |file: &str| std::fs::read_to_string(root.join(file)).expect(file);
     if let Some(rest) = base.strip_prefix("stoker_loader_") {
         source("loader/src/metrics.rs").contains(&format!("\"{rest}\""))
     } else if let Some(rest) = base.strip_prefix("stoker_sidecar_") {

@@ -1,13 +1,11 @@
 //! `crds/` and the chart's copy are generated from the Rust types; this fails on drift and, with
 //! `UPDATE_CRDS=1`, rewrites both.
 
-use std::path::Path;
-
 const FILE: &str = "datapipelines.stoker.dev.yaml";
 
 #[test]
 fn crds_match_the_rust_types() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = stoker_testenv::manifest_dir();
     let want = stoker_operator::api::crd_yaml().expect("CRD serializes");
     let targets = [
         root.join("crds").join(FILE),

@@ -79,7 +79,7 @@ async fn the_operator_runs_under_the_charts_namespaced_rbac_and_nothing_more() {
     template.args([
         "template",
         "stoker",
-        CHART,
+        chart().as_str(),
         "--namespace",
         &release.name,
         "--set",

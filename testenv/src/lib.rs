@@ -19,7 +19,18 @@ pub mod prometheus;
 pub mod runtime;
 pub mod s3;
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+/// The directory of the package whose test is running, read when the test runs: `cargo test`
+/// (and scripts/cargo-tests.py) set it. Not `env!("CARGO_MANIFEST_DIR")`: CI reuses one build
+/// across fresh clones, and cargo does not rebuild a crate whose directory only moved, so a
+/// compiled-in path would point at an earlier clone.
+pub fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .expect("CARGO_MANIFEST_DIR is set: run the tests through cargo test")
+}
 
 /// Polls `check` every 200 ms until it returns `Some`, and panics with `what` after `timeout`:
 /// how every end-to-end test waits for the cluster to converge.

@@ -21,8 +21,10 @@ use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::{CancellationToken, Config};
 use tokio::sync::OnceCell;
 
-/// The Helm chart.
-pub const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/stoker");
+/// The Helm chart's directory.
+pub fn chart() -> String {
+    format!("{}/charts/stoker", stoker_testenv::manifest_dir().display())
+}
 
 /// Runs `cmd` (with `stdin` written to it), asserts it succeeded, and returns its stdout and
 /// stderr.

@@ -131,7 +131,7 @@ impl World {
 }
 
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    stoker_testenv::manifest_dir().join("..")
 }
 
 /// A small set of real photographs (scikit-image's samples, re-cut by bench/make_dataset.py),

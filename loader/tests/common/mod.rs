@@ -280,7 +280,7 @@ pub fn python() -> std::path::PathBuf {
     if let Some(python) = std::env::var_os("STOKER_PYTHON") {
         return python.into();
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/python-env.sh");
+    let script = stoker_testenv::manifest_dir().join("../scripts/python-env.sh");
     let out = std::process::Command::new("bash")
         .arg(script)
         .output()
