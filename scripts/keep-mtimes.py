@@ -2,7 +2,8 @@
 """usage: scripts/keep-mtimes.py MANIFEST
 
 Gives every tracked file whose content is unchanged since the last run the modification time it
-had then, and records this run's contents and times in MANIFEST (JSON: path -> [sha256, mtime]).
+had then, and records this run's contents and times in MANIFEST (JSON: path -> [sha256, mtime];
+a directory, "path/", is the list of its entries).
 
 Why: CI builds each fresh clone into one cached target directory, and cargo decides whether a
 workspace crate is stale by comparing its sources' mtimes with its last build. A clone stamps
@@ -40,11 +41,21 @@ def main():
             previous = json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
         previous = {}
+    files = list(tracked_files(root))
+    # A directory's content is the list of its entries: build scripts' `rerun-if-changed` on a
+    # directory (loader/build.rs: src/proto) compares the directory's own mtime too.
+    entries = {}
+    for path in files:
+        parts = path.split("/")
+        for depth in range(len(parts)):
+            entries.setdefault("/".join(["."] + parts[:depth]) + "/", set()).add(parts[depth])
+    contents = {path: open(os.path.join(root, path), "rb").read() for path in files}
+    contents.update({d: "\n".join(sorted(names)).encode() for d, names in entries.items()})
+
     current, restored = {}, 0
-    for path in tracked_files(root):
+    for path, content in contents.items():
         full = os.path.join(root, path)
-        with open(full, "rb") as f:
-            sha = hashlib.sha256(f.read()).hexdigest()
+        sha = hashlib.sha256(content).hexdigest()
         old = previous.get(path)
         if old and old[0] == sha:
             os.utime(full, ns=(os.stat(full).st_atime_ns, old[1]))
@@ -54,7 +65,7 @@ def main():
     with open(manifest + ".new", "w") as f:
         json.dump(current, f)
     os.replace(manifest + ".new", manifest)
-    print(f"[mtimes] {restored} of {len(current)} files unchanged since the last run",
+    print(f"[mtimes] {restored} of {len(current)} files and directories unchanged since the last run",
           file=sys.stderr)
 
 
