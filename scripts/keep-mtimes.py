@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """usage: scripts/keep-mtimes.py MANIFEST
 
-Gives every tracked file whose content is unchanged since the last run the modification time it
-had then, and records this run's contents and times in MANIFEST (JSON: path -> [sha256, mtime];
+Gives every tracked file and directory whose content is unchanged since the last run the
+modification time it had then, and records this run's contents and times in MANIFEST (JSON: path -> [sha256, mtime];
 a directory, "path/", is the list of its entries).
 
 Why: CI builds each fresh clone into one cached target directory, and cargo decides whether a
 workspace crate is stale by comparing its sources' mtimes with its last build. A clone stamps
 every file "now", so without this every stoker crate, test and clippy check is rebuilt on every
-run (~7 min here) even when nothing changed. Matching on content, not on commit dates, keeps
+run (470 s here) even when nothing changed. Matching on content, not on commit dates, keeps
 that correct in any order of commits: a file whose bytes differ keeps the clone's "now" and is
 rebuilt.
 """
@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def tracked_files(root):
@@ -49,7 +50,7 @@ def main():
         parts = path.split("/")
         for depth in range(len(parts)):
             entries.setdefault("/".join(["."] + parts[:depth]) + "/", set()).add(parts[depth])
-    contents = {path: open(os.path.join(root, path), "rb").read() for path in files}
+    contents = {path: Path(root, path).read_bytes() for path in files}
     contents.update({d: "\n".join(sorted(names)).encode() for d, names in entries.items()})
 
     current, restored = {}, 0
@@ -65,8 +66,8 @@ def main():
     with open(manifest + ".new", "w") as f:
         json.dump(current, f)
     os.replace(manifest + ".new", manifest)
-    print(f"[mtimes] {restored} of {len(current)} files and directories unchanged since the last run",
-          file=sys.stderr)
+    print(f"[mtimes] {restored} of {len(current)} files and directories unchanged since the "
+          "last run", file=sys.stderr)
 
 
 if __name__ == "__main__":
