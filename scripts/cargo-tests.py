@@ -32,6 +32,11 @@ SOLO = {"story", "helm_install", "sidecar_cpu", "runc_runtime", "runtime", "auto
         "backpressure"}
 
 
+def is_solo(name):
+    """`name` is "<package>/<target>"."""
+    return name.split("/")[1] in SOLO
+
+
 def test_binaries(cargo_args):
     """(name, executable, package directory) of every test binary, built first."""
     build = subprocess.run(
@@ -61,8 +66,8 @@ def main():
         history = {}
     binaries = test_binaries(sys.argv[1:])
     binaries.sort(key=lambda b: -history.get(b[0], 0))
-    solo = [b for b in binaries if b[0].split("/")[1] in SOLO]
-    shared = [b for b in binaries if b not in solo]
+    solo = [b for b in binaries if is_solo(b[0])]
+    shared = [b for b in binaries if not is_solo(b[0])]
 
     printing = threading.Lock()
     times, failed = {}, []
@@ -94,7 +99,7 @@ def main():
         json.dump(times, f, indent=1)
     print(f"\n{'binary':<44} {'seconds':>8}")
     for name, took in sorted(times.items(), key=lambda t: -t[1]):
-        print(f"{name:<44} {took:>8.1f}{'  solo' if name.split('/')[1] in SOLO else ''}")
+        print(f"{name:<44} {took:>8.1f}{'  solo' if is_solo(name) else ''}")
     if failed:
         print(f"\nfailed: {', '.join(failed)}", flush=True)
         sys.exit(1)

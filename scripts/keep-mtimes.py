@@ -2,8 +2,8 @@
 """usage: scripts/keep-mtimes.py MANIFEST
 
 Gives every tracked file and directory whose content is unchanged since the last run the
-modification time it had then, and records this run's contents and times in MANIFEST (JSON: path -> [sha256, mtime];
-a directory, "path/", is the list of its entries).
+modification time it had then, and records this run's contents and times in MANIFEST
+(JSON: path -> [sha256, mtime]; a directory, "./path/", is the list of its entries).
 
 Why: CI builds each fresh clone into one cached target directory, and cargo decides whether a
 workspace crate is stale by comparing its sources' mtimes with its last build. A clone stamps
@@ -59,7 +59,7 @@ def main():
         sha = hashlib.sha256(content).hexdigest()
         old = previous.get(path)
         if old and old[0] == sha:
-            os.utime(full, ns=(os.stat(full).st_atime_ns, old[1]))
+            os.utime(full, ns=(old[1], old[1]))
             restored += 1
         current[path] = [sha, os.stat(full).st_mtime_ns]
     os.makedirs(os.path.dirname(os.path.abspath(manifest)), exist_ok=True)

@@ -30,8 +30,8 @@ step "cargo test"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 # STOKER_PYTHON: the demo's simulated trainer and dataset generator run in the venv.
-# scripts/cargo-tests.py is `cargo test --workspace` with the test binaries run two at a time,
-# those that measure CPU or bandwidth alone; the doc tests are the only ones it leaves out.
+# scripts/cargo-tests.py is `cargo test --workspace` with the test binaries run one per CPU at
+# a time, those that measure CPU or bandwidth alone; the doc tests are the only ones it leaves out.
 export STOKER_PYTHON="$venv/bin/python"
 { cargo test --workspace --locked --doc && scripts/cargo-tests.py --locked; } 2>&1 | tee "$log"
 # test result: ok. 6 passed; 0 failed; 0 ignored; ...
