@@ -29,7 +29,8 @@ export PYTHONPATH="$ROOT_DIR/clients/python/src${PYTHONPATH:+:$PYTHONPATH}"
 
 cargo build --release -q -p stoker-loader --bin stoker-loader
 cargo build --release -q -p stoker-testenv --bin stoker-s3
-BIN="$ROOT_DIR/target/release"
+# Where cargo put them: CARGO_TARGET_DIR when set, as cargo itself does.
+BIN="${CARGO_TARGET_DIR:-$ROOT_DIR/target}/release"
 
 if [ ! -f "$DATA/$SET/.done" ]; then
   rm -rf "${DATA:?}/$SET"

@@ -34,7 +34,8 @@ if [ -z "${BENCH_NO_BUILD:-}" ]; then
   cargo build --release -q -p stoker-loader --bin stoker-loader
   cargo build --release -q -p stoker-testenv --bin stoker-s3
 fi
-BIN="$ROOT_DIR/target/release"
+# Where cargo put them: CARGO_TARGET_DIR when set, as cargo itself does.
+BIN="${CARGO_TARGET_DIR:-$ROOT_DIR/target}/release"
 
 if [ ! -f "$DATA/imagenet/.done" ]; then
   rm -rf "${DATA:?}/imagenet"

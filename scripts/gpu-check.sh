@@ -23,7 +23,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi -L || echo "[gpu-check] nvidia-sm
 
 bin=${STOKER_BIN_DIR:-}
 if [ -z "$bin" ]; then
-  bin=$root/target/release
+  bin=${CARGO_TARGET_DIR:-$root/target}/release
   if [ ! -x "$bin/stoker-loader" ] || [ ! -x "$bin/stoker-s3" ]; then
     echo "[gpu-check] building release binaries" >&2
     cargo build --release -q -p stoker-loader --bin stoker-loader

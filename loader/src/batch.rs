@@ -13,11 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use fast_image_resize::Resizer;
 use rayon::prelude::*;
 
 use crate::decode::{self, DecodeLimits, Probe, SkipReason};
-use crate::transform::Transform;
+use crate::transform::{Resampler, Transform};
 
 /// One sample's encoded bytes, or the reason it could not be fetched.
 #[derive(Debug, Clone)]
@@ -82,12 +81,13 @@ impl Batch {
     }
 }
 
-/// Scratch buffers of one pool thread, reused across samples: decoded and oriented images.
+/// Scratch buffers of one pool thread, reused across samples: decoded and oriented images and
+/// the resampler's.
 #[derive(Default)]
 struct Scratch {
     decoded: Vec<u8>,
     oriented: Vec<u8>,
-    resizer: Resizer,
+    resampler: Resampler,
 }
 
 thread_local! {
@@ -500,7 +500,7 @@ fn decode_into(
         };
         let t1 = thread_cpu_time();
         let result =
-            transform.apply_region(src, region, full, plan.out, slot, &mut scratch.resizer);
+            transform.apply_region(src, region, full, plan.out, slot, &mut scratch.resampler);
         let t2 = thread_cpu_time();
         match result {
             Ok(()) => (Ok(()), t1.saturating_sub(t0), t2.saturating_sub(t1)),
@@ -615,7 +615,7 @@ mod tests {
         );
         let out = t.output_size(ow, oh).unwrap();
         let mut dst = vec![0u8; (out.0 * out.1 * 3) as usize];
-        t.apply(&oriented, sw, sh, out, &mut dst, &mut Resizer::new())
+        t.apply(&oriented, sw, sh, out, &mut dst, &mut Resampler::default())
             .unwrap();
         (dst, out)
     }

@@ -118,15 +118,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 }
             })
             .buffer_unordered(args.in_flight.max(1))
-            .collect::<Vec<_>>()
     };
     let timed = batches.split_off(warmup);
-    for r in run_batches(batches).await {
+    let mut replies = run_batches(batches);
+    while let Some(r) = replies.next().await {
         r?;
     }
     let t0 = Instant::now();
     let (mut images, mut skipped, mut bytes) = (0usize, 0usize, 0usize);
-    for r in run_batches(timed).await {
+    // Each reply is counted and dropped as it arrives, as a trainer consumes batches: holding
+    // them all would cost the client page faults on every decoded byte of the run.
+    let mut replies = run_batches(timed);
+    while let Some(r) = replies.next().await {
         let reply = r?;
         bytes += reply.pixels.len();
         for s in &reply.samples {

@@ -8,10 +8,10 @@
 mod common;
 
 use bytes::Bytes;
-use fast_image_resize::Resizer;
 use image::ImageEncoder;
 use stoker_loader::batch::{PixelPool, decode_batch_pooled};
 use stoker_loader::decode::DecodeLimits;
+use stoker_loader::transform::Resampler;
 use stoker_loader::{EncodedSample, Transform, decode_batch};
 
 /// The tolerance: 38 dB is a mean error of about 2.5 levels out of 255.
@@ -169,7 +169,7 @@ fn plain(data: &[u8], t: &Transform) -> (Vec<u8>, (u32, u32)) {
     };
     let out = t.output_size(w, h).unwrap();
     let mut dst = vec![0u8; (out.0 * out.1 * 3) as usize];
-    t.apply(&rgb, w, h, out, &mut dst, &mut Resizer::new())
+    t.apply(&rgb, w, h, out, &mut dst, &mut Resampler::default())
         .unwrap();
     (dst, out)
 }

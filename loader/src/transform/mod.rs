@@ -9,7 +9,9 @@
 //! Output is uint8 HWC RGB; normalization belongs on the GPU.
 
 use fast_image_resize::images::{CroppedImageMut, Image, ImageRef};
-use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
+use fast_image_resize::{
+    FilterType, IntoImageViewMut, PixelType, ResizeAlg, ResizeOptions, Resizer,
+};
 use stoker_contract::{ResizeMode, TransformArgs};
 
 use crate::decode::Rect;
@@ -220,7 +222,7 @@ impl Transform {
         sh: u32,
         out_size: (u32, u32),
         dst: &mut [u8],
-        resizer: &mut Resizer,
+        resampler: &mut Resampler,
     ) -> Result<(), TransformError> {
         let whole = Rect {
             x: 0,
@@ -228,7 +230,7 @@ impl Transform {
             width: sw,
             height: sh,
         };
-        self.apply_region(src, whole, (sw, sh), out_size, dst, resizer)
+        self.apply_region(src, whole, (sw, sh), out_size, dst, resampler)
     }
 
     /// [`Transform::apply`] for `src`, the pixels of `region` of a `full` (width, height)
@@ -241,49 +243,118 @@ impl Transform {
         full: (u32, u32),
         out_size: (u32, u32),
         dst: &mut [u8],
-        resizer: &mut Resizer,
+        resampler: &mut Resampler,
     ) -> Result<(), TransformError> {
         let (ow, oh) = out_size;
         let (sw, sh) = (region.width, region.height);
-        let src_img =
-            ImageRef::new(sw, sh, src, PixelType::U8x3).map_err(|e| TransformError::Resize {
-                detail: e.to_string(),
-            })?;
-        let mut dst_img = Image::from_slice_u8(ow, oh, dst, PixelType::U8x3).map_err(|e| {
-            TransformError::Resize {
-                detail: e.to_string(),
-            }
-        })?;
-        let alg = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
-        let result = match *self {
+        let src_img = ImageRef::new(sw, sh, src, PixelType::U8x3).map_err(resize_error)?;
+        // The output is made in a buffer of this thread's, which stays in cache, then copied
+        // out in one pass: written straight into a batch buffer (cold memory, four rows at a
+        // time) the same resize took ~1.5x as long.
+        let Resampler {
+            resizer,
+            staged,
+            rows,
+        } = resampler;
+        let len = ow as usize * oh as usize * 3;
+        if staged.len() < len {
+            staged.resize(len, 0);
+        }
+        let mut out = Image::from_slice_u8(ow, oh, &mut staged[..len], PixelType::U8x3)
+            .map_err(resize_error)?;
+        match *self {
             Transform::Crop { .. } => {
                 let (left, top, cw, ch) = crop_box(f64::from(full.0), f64::from(full.1), ow, oh);
-                let opts = alg.crop(
+                let source_box = (
                     left - f64::from(region.x),
                     top - f64::from(region.y),
                     cw,
                     ch,
                 );
-                resizer.resize(&src_img, &mut dst_img, &opts)
+                resize_box(resizer, rows, &src_img, source_box, &mut out)?;
             }
             Transform::Fit { pad, .. } => {
                 let (iw, ih) = fit_inner_size(sw, sh, ow, oh);
-                dst_img.buffer_mut().fill(pad);
+                out.buffer_mut().fill(pad);
                 let (left, top) = ((ow - iw) / 2, (oh - ih) / 2);
                 let mut inner =
-                    CroppedImageMut::new(&mut dst_img, left, top, iw, ih).map_err(|e| {
-                        TransformError::Resize {
-                            detail: e.to_string(),
-                        }
-                    })?;
-                resizer.resize(&src_img, &mut inner, &alg)
+                    CroppedImageMut::new(&mut out, left, top, iw, ih).map_err(resize_error)?;
+                let whole = (0.0, 0.0, f64::from(sw), f64::from(sh));
+                resize_box(resizer, rows, &src_img, whole, &mut inner)?;
             }
-            Transform::QwenSmart { .. } => resizer.resize(&src_img, &mut dst_img, &alg),
-        };
-        result.map_err(|e| TransformError::Resize {
-            detail: e.to_string(),
-        })
+            Transform::QwenSmart { .. } => {
+                let whole = (0.0, 0.0, f64::from(sw), f64::from(sh));
+                resize_box(resizer, rows, &src_img, whole, &mut out)?;
+            }
+        }
+        dst.copy_from_slice(&staged[..len]);
+        Ok(())
     }
+}
+
+/// What a thread keeps from one resize to the next: the resizer (its coefficient and
+/// intermediate buffers), the staged output and the rows of a horizontal-first pass.
+#[derive(Default)]
+pub struct Resampler {
+    resizer: Resizer,
+    staged: Vec<u8>,
+    rows: Vec<u8>,
+}
+
+fn resize_error(e: impl std::fmt::Display) -> TransformError {
+    TransformError::Resize {
+        detail: e.to_string(),
+    }
+}
+
+/// Bilinear resize of `source_box` (left, top, width, height, in `src` pixels) onto `dst`.
+///
+/// fast_image_resize runs the vertical pass first for u8 pixels, so its horizontal pass, the
+/// costlier one, runs over every output row. When the box grows vertically (a 375-row crop to
+/// 448 rows) running the horizontal pass first, over the box's own rows, is ~15-20% cheaper;
+/// the intermediate rows are rounded to u8 either way, so outputs differ by at most one level.
+fn resize_box(
+    resizer: &mut Resizer,
+    rows: &mut Vec<u8>,
+    src: &ImageRef<'_>,
+    source_box: (f64, f64, f64, f64),
+    dst: &mut impl IntoImageViewMut,
+) -> Result<(), TransformError> {
+    let alg = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
+    let (left, top, cw, ch) = source_box;
+    let (dw, dh) = (dst.width(), dst.height());
+    let grows_vertically = ch < f64::from(dh);
+    let narrows_or_shifts = f64::from(dw) != cw || left != left.round();
+    if !(grows_vertically && narrows_or_shifts) {
+        return resizer
+            .resize(src, dst, &alg.crop(left, top, cw, ch))
+            .map_err(resize_error);
+    }
+    // The box's rows and one more on each side: the filter reaches that far when upscaling.
+    let y0 = (top.floor() - 1.0).max(0.0) as u32;
+    let y1 = ((top + ch).ceil() as u32 + 1).min(src.height());
+    let th = y1 - y0;
+    let len = dw as usize * th as usize * 3;
+    if rows.len() < len {
+        rows.resize(len, 0);
+    }
+    let mut mid =
+        Image::from_slice_u8(dw, th, &mut rows[..len], PixelType::U8x3).map_err(resize_error)?;
+    resizer
+        .resize(
+            src,
+            &mut mid,
+            &alg.crop(left, f64::from(y0), cw, f64::from(th)),
+        )
+        .map_err(resize_error)?;
+    let mid = ImageRef::new(dw, th, &rows[..len], PixelType::U8x3).map_err(resize_error)?;
+    resizer
+        .resize(
+            &mid,
+            dst,
+            &alg.crop(0.0, top - f64::from(y0), f64::from(dw), ch),
+        )
+        .map_err(resize_error)
 }
 
 /// `crop`'s box in a `fw` x `fh` image for a `ow` x `oh` output: (left, top, width, height),
@@ -435,6 +506,37 @@ mod tests {
         assert_eq!(fit.source_window(1600, 1200), None);
     }
 
+    /// The horizontal-first order (taken when the box grows vertically) gives the library's
+    /// one-call output within one level, edges included: portrait crops start at a fractional
+    /// row, and the noise makes every neighbouring row differ.
+    #[test]
+    fn horizontal_first_matches_one_call() {
+        let alg = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
+        let mut rng = fastrand::Rng::with_seed(7);
+        for (w, h) in [(500, 375), (375, 500), (333, 500), (400, 300), (101, 67)] {
+            let src: Vec<u8> = (0..w * h * 3).map(|_| rng.u8(..)).collect();
+            let src_img = ImageRef::new(w, h, &src, PixelType::U8x3).unwrap();
+            let (left, top, cw, ch) = crop_box(f64::from(w), f64::from(h), 448, 448);
+            assert!(ch < 448.0, "{w}x{h} must take the horizontal-first path");
+            let mut one_call = vec![0u8; 448 * 448 * 3];
+            let mut img = Image::from_slice_u8(448, 448, &mut one_call, PixelType::U8x3).unwrap();
+            Resizer::new()
+                .resize(&src_img, &mut img, &alg.crop(left, top, cw, ch))
+                .unwrap();
+            let mut ours = vec![0u8; 448 * 448 * 3];
+            let mut img = Image::from_slice_u8(448, 448, &mut ours, PixelType::U8x3).unwrap();
+            let (mut resizer, mut rows) = (Resizer::new(), Vec::new());
+            resize_box(&mut resizer, &mut rows, &src_img, (left, top, cw, ch), &mut img).unwrap();
+            let worst = one_call
+                .iter()
+                .zip(&ours)
+                .map(|(a, b)| a.abs_diff(*b))
+                .max()
+                .unwrap();
+            assert!(worst <= 1, "{w}x{h}: a pixel differs by {worst} levels");
+        }
+    }
+
     #[test]
     fn fit_pads_and_centers() {
         let fit = Transform::Fit {
@@ -444,7 +546,7 @@ mod tests {
         };
         let src = vec![200u8; 8 * 4 * 3];
         let mut dst = vec![0u8; 8 * 8 * 3];
-        fit.apply(&src, 8, 4, (8, 8), &mut dst, &mut Resizer::new())
+        fit.apply(&src, 8, 4, (8, 8), &mut dst, &mut Resampler::default())
             .unwrap();
         // Rows 0-1 and 6-7 are padding, rows 2-5 carry the image.
         assert!(dst[..2 * 8 * 3].iter().all(|&v| v == 7));
