@@ -9,9 +9,7 @@
 //! Output is uint8 HWC RGB; normalization belongs on the GPU.
 
 use fast_image_resize::images::{CroppedImageMut, Image, ImageRef};
-use fast_image_resize::{
-    FilterType, IntoImageViewMut, PixelType, ResizeAlg, ResizeOptions, Resizer,
-};
+use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 use stoker_contract::{ResizeMode, TransformArgs};
 
 use crate::decode::Rect;
@@ -248,20 +246,13 @@ impl Transform {
         let (ow, oh) = out_size;
         let (sw, sh) = (region.width, region.height);
         let src_img = ImageRef::new(sw, sh, src, PixelType::U8x3).map_err(resize_error)?;
-        // The output is made in a buffer of this thread's, which stays in cache, then copied
-        // out in one pass: written straight into a batch buffer (cold memory, four rows at a
-        // time) the same resize took ~1.5x as long.
-        let Resampler {
-            resizer,
-            staged,
-            rows,
-        } = resampler;
-        let len = ow as usize * oh as usize * 3;
-        if staged.len() < len {
-            staged.resize(len, 0);
-        }
-        let mut out = Image::from_slice_u8(ow, oh, &mut staged[..len], PixelType::U8x3)
-            .map_err(resize_error)?;
+        let whole_source = (0.0, 0.0, f64::from(sw), f64::from(sh));
+        let whole_output = Rect {
+            x: 0,
+            y: 0,
+            width: ow,
+            height: oh,
+        };
         match *self {
             Transform::Crop { .. } => {
                 let (left, top, cw, ch) = crop_box(f64::from(full.0), f64::from(full.1), ow, oh);
@@ -271,24 +262,23 @@ impl Transform {
                     cw,
                     ch,
                 );
-                resize_box(resizer, rows, &src_img, source_box, &mut out)?;
+                resampler.resize(&src_img, source_box, dst, ow, whole_output)
             }
             Transform::Fit { pad, .. } => {
                 let (iw, ih) = fit_inner_size(sw, sh, ow, oh);
-                out.buffer_mut().fill(pad);
-                let (left, top) = ((ow - iw) / 2, (oh - ih) / 2);
-                let mut inner =
-                    CroppedImageMut::new(&mut out, left, top, iw, ih).map_err(resize_error)?;
-                let whole = (0.0, 0.0, f64::from(sw), f64::from(sh));
-                resize_box(resizer, rows, &src_img, whole, &mut inner)?;
+                dst.fill(pad);
+                let inner = Rect {
+                    x: (ow - iw) / 2,
+                    y: (oh - ih) / 2,
+                    width: iw,
+                    height: ih,
+                };
+                resampler.resize(&src_img, whole_source, dst, ow, inner)
             }
             Transform::QwenSmart { .. } => {
-                let whole = (0.0, 0.0, f64::from(sw), f64::from(sh));
-                resize_box(resizer, rows, &src_img, whole, &mut out)?;
+                resampler.resize(&src_img, whole_source, dst, ow, whole_output)
             }
         }
-        dst.copy_from_slice(&staged[..len]);
-        Ok(())
     }
 }
 
@@ -301,60 +291,90 @@ pub struct Resampler {
     rows: Vec<u8>,
 }
 
+impl Resampler {
+    /// Bilinear resize of `source_box` (left, top, width, height, in `src` pixels) onto the
+    /// `inner` part of `dst`, an RGB8 image `dst_width` pixels wide.
+    ///
+    /// Two passes, in the cheaper order, and the last pass's writes kept cheap:
+    /// - fast_image_resize runs the vertical pass first for u8 pixels, so its horizontal pass,
+    ///   the costlier one, runs over every output row. When the box grows vertically (a
+    ///   375-row crop to 448 rows), the horizontal pass runs first here, over the box's own
+    ///   rows: ~15-20% cheaper. The intermediate rows are rounded to u8 either way, so the
+    ///   outputs differ by at most one level.
+    /// - The horizontal pass writes four rows at a time, which cold memory (a batch buffer)
+    ///   takes badly: the same resize took ~1.5x as long. When it comes last, the output is
+    ///   made in a buffer of this thread's, which stays in cache, and copied out. The vertical
+    ///   pass writes whole rows in order, so it writes to `dst` directly.
+    fn resize(
+        &mut self,
+        src: &ImageRef<'_>,
+        source_box: (f64, f64, f64, f64),
+        dst: &mut [u8],
+        dst_width: u32,
+        inner: Rect,
+    ) -> Result<(), TransformError> {
+        let alg = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
+        let (left, top, cw, ch) = source_box;
+        let (iw, ih) = (inner.width, inner.height);
+        let grows_vertically = ch < f64::from(ih);
+        let narrows_or_shifts = f64::from(iw) != cw || left != left.round();
+        if grows_vertically && narrows_or_shifts {
+            // The box's rows and one more on each side: the filter reaches that far when
+            // upscaling.
+            let y0 = (top.floor() - 1.0).max(0.0) as u32;
+            let y1 = ((top + ch).ceil() as u32 + 1).min(src.height());
+            let th = y1 - y0;
+            let len = iw as usize * th as usize * 3;
+            if self.rows.len() < len {
+                self.rows.resize(len, 0);
+            }
+            let mut mid = Image::from_slice_u8(iw, th, &mut self.rows[..len], PixelType::U8x3)
+                .map_err(resize_error)?;
+            let rows_box = alg.crop(left, f64::from(y0), cw, f64::from(th));
+            self.resizer
+                .resize(src, &mut mid, &rows_box)
+                .map_err(resize_error)?;
+            let mid =
+                ImageRef::new(iw, th, &self.rows[..len], PixelType::U8x3).map_err(resize_error)?;
+            let dst_height = (dst.len() / (dst_width as usize * 3)) as u32;
+            let mut out = Image::from_slice_u8(dst_width, dst_height, dst, PixelType::U8x3)
+                .map_err(resize_error)?;
+            let mut out =
+                CroppedImageMut::new(&mut out, inner.x, inner.y, iw, ih).map_err(resize_error)?;
+            let column_box = alg.crop(0.0, top - f64::from(y0), f64::from(iw), ch);
+            return self
+                .resizer
+                .resize(&mid, &mut out, &column_box)
+                .map_err(resize_error);
+        }
+        let len = iw as usize * ih as usize * 3;
+        if self.staged.len() < len {
+            self.staged.resize(len, 0);
+        }
+        let staged = &mut self.staged[..len];
+        let mut out =
+            Image::from_slice_u8(iw, ih, staged, PixelType::U8x3).map_err(resize_error)?;
+        self.resizer
+            .resize(src, &mut out, &alg.crop(left, top, cw, ch))
+            .map_err(resize_error)?;
+        let row = iw as usize * 3;
+        let stride = dst_width as usize * 3;
+        let at = (inner.y as usize * dst_width as usize + inner.x as usize) * 3;
+        if row == stride {
+            dst[at..at + len].copy_from_slice(&self.staged[..len]);
+        } else {
+            for (i, r) in self.staged[..len].chunks_exact(row).enumerate() {
+                dst[at + i * stride..][..row].copy_from_slice(r);
+            }
+        }
+        Ok(())
+    }
+}
+
 fn resize_error(e: impl std::fmt::Display) -> TransformError {
     TransformError::Resize {
         detail: e.to_string(),
     }
-}
-
-/// Bilinear resize of `source_box` (left, top, width, height, in `src` pixels) onto `dst`.
-///
-/// fast_image_resize runs the vertical pass first for u8 pixels, so its horizontal pass, the
-/// costlier one, runs over every output row. When the box grows vertically (a 375-row crop to
-/// 448 rows) running the horizontal pass first, over the box's own rows, is ~15-20% cheaper;
-/// the intermediate rows are rounded to u8 either way, so outputs differ by at most one level.
-fn resize_box(
-    resizer: &mut Resizer,
-    rows: &mut Vec<u8>,
-    src: &ImageRef<'_>,
-    source_box: (f64, f64, f64, f64),
-    dst: &mut impl IntoImageViewMut,
-) -> Result<(), TransformError> {
-    let alg = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
-    let (left, top, cw, ch) = source_box;
-    let (dw, dh) = (dst.width(), dst.height());
-    let grows_vertically = ch < f64::from(dh);
-    let narrows_or_shifts = f64::from(dw) != cw || left != left.round();
-    if !(grows_vertically && narrows_or_shifts) {
-        return resizer
-            .resize(src, dst, &alg.crop(left, top, cw, ch))
-            .map_err(resize_error);
-    }
-    // The box's rows and one more on each side: the filter reaches that far when upscaling.
-    let y0 = (top.floor() - 1.0).max(0.0) as u32;
-    let y1 = ((top + ch).ceil() as u32 + 1).min(src.height());
-    let th = y1 - y0;
-    let len = dw as usize * th as usize * 3;
-    if rows.len() < len {
-        rows.resize(len, 0);
-    }
-    let mut mid =
-        Image::from_slice_u8(dw, th, &mut rows[..len], PixelType::U8x3).map_err(resize_error)?;
-    resizer
-        .resize(
-            src,
-            &mut mid,
-            &alg.crop(left, f64::from(y0), cw, f64::from(th)),
-        )
-        .map_err(resize_error)?;
-    let mid = ImageRef::new(dw, th, &rows[..len], PixelType::U8x3).map_err(resize_error)?;
-    resizer
-        .resize(
-            &mid,
-            dst,
-            &alg.crop(0.0, top - f64::from(y0), f64::from(dw), ch),
-        )
-        .map_err(resize_error)
 }
 
 /// `crop`'s box in a `fw` x `fh` image for a `ow` x `oh` output: (left, top, width, height),
@@ -524,9 +544,15 @@ mod tests {
                 .resize(&src_img, &mut img, &alg.crop(left, top, cw, ch))
                 .unwrap();
             let mut ours = vec![0u8; 448 * 448 * 3];
-            let mut img = Image::from_slice_u8(448, 448, &mut ours, PixelType::U8x3).unwrap();
-            let (mut resizer, mut rows) = (Resizer::new(), Vec::new());
-            resize_box(&mut resizer, &mut rows, &src_img, (left, top, cw, ch), &mut img).unwrap();
+            let whole = Rect {
+                x: 0,
+                y: 0,
+                width: 448,
+                height: 448,
+            };
+            Resampler::default()
+                .resize(&src_img, (left, top, cw, ch), &mut ours, 448, whole)
+                .unwrap();
             let worst = one_call
                 .iter()
                 .zip(&ours)
@@ -552,5 +578,14 @@ mod tests {
         assert!(dst[..2 * 8 * 3].iter().all(|&v| v == 7));
         assert!(dst[2 * 8 * 3..6 * 8 * 3].iter().all(|&v| v == 200));
         assert!(dst[6 * 8 * 3..].iter().all(|&v| v == 7));
+        // A tall image: columns 0-1 and 6-7 are padding, on every row.
+        let src = vec![200u8; 4 * 8 * 3];
+        fit.apply(&src, 4, 8, (8, 8), &mut dst, &mut Resampler::default())
+            .unwrap();
+        for row in dst.chunks_exact(8 * 3) {
+            assert!(row[..2 * 3].iter().all(|&v| v == 7));
+            assert!(row[2 * 3..6 * 3].iter().all(|&v| v == 200));
+            assert!(row[6 * 3..].iter().all(|&v| v == 7));
+        }
     }
 }
