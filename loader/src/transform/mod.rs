@@ -578,6 +578,15 @@ mod tests {
         assert!(dst[..2 * 8 * 3].iter().all(|&v| v == 7));
         assert!(dst[2 * 8 * 3..6 * 8 * 3].iter().all(|&v| v == 200));
         assert!(dst[6 * 8 * 3..].iter().all(|&v| v == 7));
+        // The same rows from a 4x2 image, which grows vertically: its horizontal pass runs
+        // first and its vertical pass writes into the letterbox directly.
+        let src = vec![200u8; 4 * 2 * 3];
+        dst.fill(0);
+        fit.apply(&src, 4, 2, (8, 8), &mut dst, &mut Resampler::default())
+            .unwrap();
+        assert!(dst[..2 * 8 * 3].iter().all(|&v| v == 7));
+        assert!(dst[2 * 8 * 3..6 * 8 * 3].iter().all(|&v| v == 200));
+        assert!(dst[6 * 8 * 3..].iter().all(|&v| v == 7));
         // A tall image: columns 0-1 and 6-7 are padding, on every row.
         let src = vec![200u8; 4 * 8 * 3];
         fit.apply(&src, 4, 8, (8, 8), &mut dst, &mut Resampler::default())
