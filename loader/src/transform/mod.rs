@@ -570,23 +570,22 @@ mod tests {
             height: 8,
             pad: 7,
         };
-        let src = vec![200u8; 8 * 4 * 3];
         let mut dst = vec![0u8; 8 * 8 * 3];
-        fit.apply(&src, 8, 4, (8, 8), &mut dst, &mut Resampler::default())
-            .unwrap();
-        // Rows 0-1 and 6-7 are padding, rows 2-5 carry the image.
-        assert!(dst[..2 * 8 * 3].iter().all(|&v| v == 7));
-        assert!(dst[2 * 8 * 3..6 * 8 * 3].iter().all(|&v| v == 200));
-        assert!(dst[6 * 8 * 3..].iter().all(|&v| v == 7));
-        // The same rows from a 4x2 image, which grows vertically: its horizontal pass runs
-        // first and its vertical pass writes into the letterbox directly.
-        let src = vec![200u8; 4 * 2 * 3];
-        dst.fill(0);
-        fit.apply(&src, 4, 2, (8, 8), &mut dst, &mut Resampler::default())
-            .unwrap();
-        assert!(dst[..2 * 8 * 3].iter().all(|&v| v == 7));
-        assert!(dst[2 * 8 * 3..6 * 8 * 3].iter().all(|&v| v == 200));
-        assert!(dst[6 * 8 * 3..].iter().all(|&v| v == 7));
+        // A wide 8x4 image, then a 4x2 one, which grows vertically: its horizontal pass runs
+        // first and its vertical pass writes into the letterbox directly. Both give rows 0-1
+        // and 6-7 of padding and rows 2-5 of image.
+        for (w, h) in [(8u32, 4u32), (4, 2)] {
+            let src = vec![200u8; (w * h * 3) as usize];
+            dst.fill(0);
+            fit.apply(&src, w, h, (8, 8), &mut dst, &mut Resampler::default())
+                .unwrap();
+            assert!(dst[..2 * 8 * 3].iter().all(|&v| v == 7), "{w}x{h}");
+            assert!(
+                dst[2 * 8 * 3..6 * 8 * 3].iter().all(|&v| v == 200),
+                "{w}x{h}"
+            );
+            assert!(dst[6 * 8 * 3..].iter().all(|&v| v == 7), "{w}x{h}");
+        }
         // A tall image: columns 0-1 and 6-7 are padding, on every row.
         let src = vec![200u8; 4 * 8 * 3];
         fit.apply(&src, 4, 8, (8, 8), &mut dst, &mut Resampler::default())
