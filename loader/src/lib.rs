@@ -12,6 +12,7 @@ pub mod index;
 pub mod metrics;
 pub mod profile;
 pub mod proto;
+pub mod retry;
 pub mod sidecar;
 pub mod source;
 pub mod transform;

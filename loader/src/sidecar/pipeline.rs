@@ -21,6 +21,7 @@ use super::samples::{PlannedSamples, Samples};
 use crate::batch::{EncodedSample, SampleMeta, decode_batch_into};
 use crate::decode::{DecodeLimits, SkipReason};
 use crate::proto;
+use crate::retry::RetryPolicy;
 use crate::source::{S3Source, SampleRef};
 use crate::transform::Transform;
 use crate::worker::{batch_from_reply, transform_to_proto};
@@ -159,14 +160,19 @@ pub struct BusyTurns {
     notify: Notify,
 }
 
-/// Pause before the oldest waiting batch asks a full fleet again (doubling to 8x while it stays
-/// full), unless a batch of ours comes back first. Other sidecars' batches free slots too, and
-/// only asking sees those.
-const BUSY_PAUSE: Duration = Duration::from_millis(10);
+/// Pause before the oldest waiting batch asks a full fleet again (10 ms, doubling to 80 ms
+/// while it stays full), unless a batch of ours comes back first. Other sidecars' batches free
+/// slots too, and only asking sees those. No jitter: one batch asks at a time.
+const BUSY_PAUSE: RetryPolicy =
+    RetryPolicy::doubling(Duration::from_millis(5), Duration::from_millis(80));
+/// Pause before a batch that every available worker failed is sent again (40 ms to 640 ms).
+const FAULT_PAUSE: RetryPolicy =
+    RetryPolicy::doubling(Duration::from_millis(20), Duration::from_millis(640));
 /// A worker that has not refused a batch by then has taken it: the next in line may ask.
 const TAKEN_AFTER: Duration = Duration::from_millis(50);
-/// First pause before a batch whose samples S3 failed is decoded again (doubling to 32x).
-const SOURCE_PAUSE: Duration = Duration::from_millis(500);
+/// Pause before a batch whose samples S3 failed is decoded again (1 s, doubling to 16 s).
+const SOURCE_PAUSE: RetryPolicy =
+    RetryPolicy::doubling(Duration::from_millis(500), Duration::from_secs(16));
 /// Longest a waiting batch sleeps before it looks again, should a wake-up be missed.
 const TURN_RECHECK: Duration = Duration::from_millis(500);
 
@@ -579,7 +585,7 @@ impl Pipeline {
             tracing::warn!(key = %m.key, batch_id, round, "S3 failing; decoding the batch again");
             self.metrics.retry("source");
             round += 1;
-            tokio::time::sleep(SOURCE_PAUSE * (1 << round.min(5))).await;
+            tokio::time::sleep(SOURCE_PAUSE.backoff(round)).await;
             lease = back;
         }
     }
@@ -623,10 +629,10 @@ impl Pipeline {
                 // one is given time.
                 let pause = if all_busy {
                     busy_rounds += 1;
-                    BUSY_PAUSE * (1 << busy_rounds.min(4).saturating_sub(1))
+                    BUSY_PAUSE.backoff(busy_rounds)
                 } else {
                     faults += 1;
-                    Duration::from_millis(20u64 << faults.min(5))
+                    FAULT_PAUSE.backoff(faults)
                 };
                 tried.clear();
                 all_busy = true;

@@ -18,6 +18,8 @@ use tokio::sync::Semaphore;
 
 use super::{ManifestLocation, SampleRef, SourceError, parse_manifest};
 use crate::metrics::LoaderMetrics;
+pub use crate::retry::RetryPolicy;
+use crate::retry::{GaveUp, Outcome};
 
 /// Static credentials for tests and S3-compatible stores; production uses the AWS chain
 /// (environment, profile, web identity, instance metadata). Never printed.
@@ -33,34 +35,6 @@ impl std::fmt::Debug for StaticCredentials {
             .field("access_key_id", &"<redacted>")
             .field("secret_access_key", &"<redacted>")
             .finish()
-    }
-}
-
-/// Full-jitter exponential backoff: attempt n sleeps uniformly in [0, min(cap, base·2ⁿ)].
-#[derive(Debug, Clone, Copy)]
-pub struct RetryPolicy {
-    pub max_attempts: u32,
-    pub base: Duration,
-    pub cap: Duration,
-}
-
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        Self {
-            max_attempts: 10,
-            base: Duration::from_millis(25),
-            cap: Duration::from_secs(5),
-        }
-    }
-}
-
-impl RetryPolicy {
-    pub fn backoff(&self, attempt: u32) -> Duration {
-        let ceiling = self
-            .base
-            .saturating_mul(1u32 << attempt.min(20))
-            .min(self.cap);
-        ceiling.mul_f64(fastrand::f64())
     }
 }
 
@@ -141,6 +115,16 @@ fn classify<E: ProvideErrorMetadata + std::error::Error + 'static>(
             }
         }
         _ => Attempt::Fatal(DisplayErrorContext(err).to_string()),
+    }
+}
+
+impl Attempt {
+    /// Throttling and transient failures are tried again; the rest is final.
+    fn retried<T>(self) -> Outcome<T, Attempt> {
+        match self {
+            Attempt::Throttled | Attempt::Retry { .. } => Outcome::Retry(self),
+            _ => Outcome::Final(self),
+        }
     }
 }
 
@@ -258,107 +242,108 @@ impl S3Source {
         key: &str,
         header: Option<String>,
     ) -> Result<(Bytes, Option<String>), SourceError> {
-        let mut attempt = 0u32;
-        loop {
-            let outcome = {
-                // The permit bounds concurrent GETs; it is released during backoff.
-                let _permit = self.gets.acquire().await;
-                let t0 = Instant::now();
-                self.metrics.s3_request("get_object");
-                let result = match self
-                    .client
-                    .get_object()
-                    .bucket(bucket)
-                    .key(key)
-                    .set_range(header.clone())
-                    .send()
-                    .await
-                {
-                    Ok(out) => match out.body.collect().await {
-                        Ok(data) => Ok((data.into_bytes(), out.content_range)),
-                        Err(e) => Err(Attempt::Retry {
-                            status: 0,
-                            detail: format!("reading body: {e}"),
-                        }),
+        let attempt = |_| async {
+            // The permit bounds concurrent GETs; it is released during backoff.
+            let _permit = self.gets.acquire().await;
+            let t0 = Instant::now();
+            self.metrics.s3_request("get_object");
+            let sent = self
+                .client
+                .get_object()
+                .bucket(bucket)
+                .key(key)
+                .set_range(header.clone())
+                .send()
+                .await;
+            let failed = match sent {
+                Ok(out) => match out.body.collect().await {
+                    Ok(data) => {
+                        let bytes = data.into_bytes();
+                        self.metrics.observe_get(t0.elapsed(), bytes.len());
+                        return Outcome::Done((bytes, out.content_range));
+                    }
+                    Err(e) => Attempt::Retry {
+                        status: 0,
+                        detail: format!("reading body: {e}"),
                     },
-                    Err(e) => Err(classify(&e)),
-                };
-                if let Ok((b, _)) = &result {
-                    self.metrics.observe_get(t0.elapsed(), b.len());
-                }
-                result
+                },
+                Err(e) => classify(&e),
             };
-            let err = match outcome {
-                Ok(b) => return Ok(b),
-                Err(e) => e,
-            };
-            attempt += 1;
-            let exhausted = attempt >= self.retry.max_attempts;
-            match err {
-                Attempt::NotFound => {
-                    return Err(SourceError::NotFound {
-                        bucket: bucket.into(),
-                        key: key.into(),
-                    });
-                }
-                Attempt::RangeNotSatisfiable => {
-                    return Err(SourceError::RangeNotSatisfiable {
-                        bucket: bucket.into(),
-                        key: key.into(),
-                        range: header.unwrap_or_default(),
-                    });
-                }
-                Attempt::AccessDenied(status) => {
-                    self.metrics.s3_error("access_denied");
-                    return Err(SourceError::AccessDenied {
-                        bucket: bucket.into(),
-                        key: key.into(),
-                        status,
-                    });
-                }
-                Attempt::Fatal(detail) => {
-                    self.metrics.s3_error("request");
-                    return Err(SourceError::Request {
-                        bucket: bucket.into(),
-                        key: key.into(),
-                        detail,
-                    });
-                }
-                Attempt::Throttled => {
-                    self.metrics.s3_throttle();
-                    if exhausted {
-                        self.metrics.s3_error("throttled");
-                        return Err(SourceError::Throttled {
-                            bucket: bucket.into(),
-                            key: key.into(),
-                            attempts: attempt,
-                        });
-                    }
-                }
-                Attempt::Retry { status, detail } => {
-                    if exhausted {
-                        if status > 0 {
-                            self.metrics.s3_error("server_error");
-                            return Err(SourceError::Server {
-                                bucket: bucket.into(),
-                                key: key.into(),
-                                status,
-                                attempts: attempt,
-                            });
-                        }
-                        self.metrics.s3_error("transport");
-                        return Err(SourceError::Transport {
-                            bucket: bucket.into(),
-                            key: key.into(),
-                            attempts: attempt,
-                            detail,
-                        });
-                    }
-                }
-            }
-            self.metrics.s3_retry();
-            tokio::time::sleep(self.retry.backoff(attempt)).await;
+            self.count_throttle(&failed);
+            failed.retried()
+        };
+        self.retry
+            .run(attempt, |_| self.metrics.s3_retry())
+            .await
+            .map_err(|gave_up| self.get_failed(bucket, key, header.as_deref(), gave_up))
+    }
+
+    fn count_throttle(&self, failed: &Attempt) {
+        if matches!(failed, Attempt::Throttled) {
+            self.metrics.s3_throttle();
         }
+    }
+
+    /// The error of a GET that gave up, counted by its category.
+    fn get_failed(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Option<&str>,
+        gave_up: GaveUp<Attempt>,
+    ) -> SourceError {
+        let (bucket, key, attempts) = (bucket.to_string(), key.to_string(), gave_up.attempts);
+        let (category, error) = match gave_up.error {
+            Attempt::NotFound => return SourceError::NotFound { bucket, key },
+            Attempt::RangeNotSatisfiable => {
+                let range = range.unwrap_or_default().to_string();
+                return SourceError::RangeNotSatisfiable { bucket, key, range };
+            }
+            Attempt::AccessDenied(status) => (
+                "access_denied",
+                SourceError::AccessDenied {
+                    bucket,
+                    key,
+                    status,
+                },
+            ),
+            Attempt::Fatal(detail) => (
+                "request",
+                SourceError::Request {
+                    bucket,
+                    key,
+                    detail,
+                },
+            ),
+            Attempt::Throttled => (
+                "throttled",
+                SourceError::Throttled {
+                    bucket,
+                    key,
+                    attempts,
+                },
+            ),
+            Attempt::Retry { status, .. } if status > 0 => (
+                "server_error",
+                SourceError::Server {
+                    bucket,
+                    key,
+                    status,
+                    attempts,
+                },
+            ),
+            Attempt::Retry { detail, .. } => (
+                "transport",
+                SourceError::Transport {
+                    bucket,
+                    key,
+                    attempts,
+                    detail,
+                },
+            ),
+        };
+        self.metrics.s3_error(category);
+        error
     }
 
     /// Lists every key under `prefix` (ListObjectsV2, `page_size` keys per page), retrying
@@ -372,10 +357,9 @@ impl S3Source {
         let mut out = Vec::new();
         let mut token: Option<String> = None;
         loop {
-            let mut attempt = 0u32;
-            let page = loop {
+            let attempt = |_| async {
                 self.metrics.s3_request("list_objects_v2");
-                let res = self
+                let sent = self
                     .client
                     .list_objects_v2()
                     .bucket(bucket)
@@ -384,37 +368,39 @@ impl S3Source {
                     .set_continuation_token(token.clone())
                     .send()
                     .await;
-                let err = match res {
-                    Ok(page) => break page,
-                    Err(e) => classify(&e),
-                };
-                attempt += 1;
-                let fatal = |detail: String| SourceError::Request {
-                    bucket: bucket.into(),
-                    key: prefix.into(),
-                    detail,
-                };
-                match err {
-                    Attempt::NotFound | Attempt::RangeNotSatisfiable => {
-                        return Err(fatal("bucket not found".into()));
+                match sent {
+                    Ok(page) => Outcome::Done(page),
+                    Err(e) => {
+                        let failed = classify(&e);
+                        self.count_throttle(&failed);
+                        failed.retried()
                     }
-                    Attempt::AccessDenied(status) => {
-                        return Err(SourceError::AccessDenied {
+                }
+            };
+            let page = self
+                .retry
+                .run(attempt, |_| self.metrics.s3_retry())
+                .await
+                .map_err(|gave_up| {
+                    let fatal = |detail: String| SourceError::Request {
+                        bucket: bucket.into(),
+                        key: prefix.into(),
+                        detail,
+                    };
+                    match gave_up.error {
+                        _ if gave_up.exhausted => fatal(format!(
+                            "listing failed after {} attempts",
+                            gave_up.attempts
+                        )),
+                        Attempt::AccessDenied(status) => SourceError::AccessDenied {
                             bucket: bucket.into(),
                             key: prefix.into(),
                             status,
-                        });
+                        },
+                        Attempt::Fatal(detail) => fatal(detail),
+                        _ => fatal("bucket not found".into()),
                     }
-                    Attempt::Fatal(d) => return Err(fatal(d)),
-                    Attempt::Throttled => self.metrics.s3_throttle(),
-                    Attempt::Retry { .. } => {}
-                }
-                if attempt >= self.retry.max_attempts {
-                    return Err(fatal(format!("listing failed after {attempt} attempts")));
-                }
-                self.metrics.s3_retry();
-                tokio::time::sleep(self.retry.backoff(attempt)).await;
-            };
+                })?;
             for obj in page.contents() {
                 if let Some(k) = obj.key()
                     && !k.ends_with('/')
@@ -436,10 +422,9 @@ impl S3Source {
 
     /// PUTs one object (the dataset index), retrying transient failures.
     pub async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<(), SourceError> {
-        let mut attempt = 0u32;
-        loop {
+        let attempt = |_| async {
             self.metrics.s3_request("put_object");
-            let res = self
+            let sent = self
                 .client
                 .put_object()
                 .bucket(bucket)
@@ -447,39 +432,39 @@ impl S3Source {
                 .body(body.clone().into())
                 .send()
                 .await;
-            let err = match res {
-                Ok(_) => return Ok(()),
+            let failed = match sent {
+                Ok(_) => return Outcome::Done(()),
                 Err(e) => classify(&e),
             };
-            attempt += 1;
-            match err {
-                Attempt::AccessDenied(status) => {
-                    return Err(SourceError::AccessDenied {
-                        bucket: bucket.into(),
-                        key: key.into(),
-                        status,
-                    });
-                }
-                Attempt::Fatal(detail) => {
-                    return Err(SourceError::Request {
-                        bucket: bucket.into(),
-                        key: key.into(),
-                        detail,
-                    });
-                }
-                Attempt::Throttled => self.metrics.s3_throttle(),
-                _ => {}
+            self.count_throttle(&failed);
+            match failed {
+                // Unlike a GET's, a PUT's 404 or 416 is tried again.
+                Attempt::AccessDenied(_) | Attempt::Fatal(_) => Outcome::Final(failed),
+                _ => Outcome::Retry(failed),
             }
-            if attempt >= self.retry.max_attempts {
-                return Err(SourceError::Request {
-                    bucket: bucket.into(),
-                    key: key.into(),
-                    detail: format!("PUT failed after {attempt} attempts"),
-                });
-            }
-            self.metrics.s3_retry();
-            tokio::time::sleep(self.retry.backoff(attempt)).await;
-        }
+        };
+        let gave_up = match self.retry.run(attempt, |_| self.metrics.s3_retry()).await {
+            Ok(()) => return Ok(()),
+            Err(gave_up) => gave_up,
+        };
+        let (bucket, key) = (bucket.to_string(), key.to_string());
+        Err(match gave_up.error {
+            Attempt::AccessDenied(status) => SourceError::AccessDenied {
+                bucket,
+                key,
+                status,
+            },
+            Attempt::Fatal(detail) => SourceError::Request {
+                bucket,
+                key,
+                detail,
+            },
+            _ => SourceError::Request {
+                bucket,
+                key,
+                detail: format!("PUT failed after {} attempts", gave_up.attempts),
+            },
+        })
     }
 
     /// Reads a JSONL manifest from S3 or the local disk.

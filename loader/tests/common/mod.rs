@@ -96,6 +96,7 @@ pub fn s3_config(server: &S3Server) -> S3Config {
             max_attempts: 12,
             base: std::time::Duration::from_millis(5),
             cap: std::time::Duration::from_millis(200),
+            jitter: true,
         },
         ..S3Config::default()
     }
