@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::{DECODER_GRPC_PORT, DECODER_METRICS_PORT, SIDECAR_HEALTH_PORT};
+use crate::{DECODER_GRPC_PORT, DECODER_METRICS_PORT, LoaderCommand, SIDECAR_HEALTH_PORT};
 
 fn any_addr(port: u16) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))
@@ -388,4 +388,37 @@ pub struct IndexArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub s3: S3Args,
+}
+
+/// What `stoker-loader index` reads: the one place the flags naming the files are spelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IndexFiles {
+    /// WebDataset tar shards (`--shards`).
+    Shards,
+    /// Parquet files (`--parquet`).
+    Parquet,
+}
+
+impl IndexFiles {
+    /// The flag that names files of this kind.
+    pub const fn flag(self) -> &'static str {
+        match self {
+            Self::Shards => "--shards",
+            Self::Parquet => "--parquet",
+        }
+    }
+}
+
+impl IndexArgs {
+    /// The index of `files` written to `out`, every other flag at the loader's default.
+    pub fn of(kind: IndexFiles, files: &str, out: &str) -> Result<Self, clap::Error> {
+        Self::parse_flags([kind.flag(), files, "--out", out])
+    }
+}
+
+impl SidecarArgs {
+    /// A sidecar of `bucket`'s samples, every other flag at the loader's default.
+    pub fn of_bucket(bucket: &str) -> Result<Self, clap::Error> {
+        Self::parse_flags(["--bucket", bucket])
+    }
 }

@@ -8,7 +8,8 @@ mod args;
 mod render;
 
 pub use args::{
-    DecodeArgs, GpuPlacement, IndexArgs, ResizeMode, S3Args, SidecarArgs, TlsArgs, TransformArgs,
+    DecodeArgs, GpuPlacement, IndexArgs, IndexFiles, ResizeMode, S3Args, SidecarArgs, TlsArgs,
+    TransformArgs,
 };
 pub use render::{LoaderCommand, RenderError};
 
@@ -57,15 +58,33 @@ pub const HELD_BATCHES: u64 = 2;
 /// At 8 bytes a sample it costs a sidecar 80 KB per rank.
 pub const DEFAULT_SHUFFLE_WINDOW: usize = 10_000;
 
+/// Bytes of one RGB8 pixel.
+pub const RGB_BYTES: u64 = 3;
+
 /// Bytes of one slot: a batch of RGB8 samples of at most `sample_pixels` each.
 pub fn slot_bytes(batch_size: u64, sample_pixels: u64) -> u64 {
-    batch_size.saturating_mul(sample_pixels).saturating_mul(3)
+    batch_size
+        .saturating_mul(sample_pixels)
+        .saturating_mul(RGB_BYTES)
 }
 
-/// Bytes of one rank's ring. The CRD's shared-memory rule (`src/api/v1alpha1.rs`) says the
-/// same in CEL, and the sidecar refuses to start when its rings do not fit.
+/// Slots of one rank's ring: the prefetched batches and those the trainer holds.
+pub fn ring_slots(prefetch_batches: u64, held_batches: u64) -> u64 {
+    prefetch_batches.saturating_add(held_batches)
+}
+
+/// Bytes of one rank's ring. The CRD's shared-memory rule says the same in CEL
+/// ([`ring_bytes_cel`]), and the sidecar refuses to start when its rings do not fit.
 pub fn ring_bytes(prefetch_batches: u64, batch_size: u64, sample_pixels: u64) -> u64 {
-    (prefetch_batches + HELD_BATCHES).saturating_mul(slot_bytes(batch_size, sample_pixels))
+    ring_slots(prefetch_batches, HELD_BATCHES).saturating_mul(slot_bytes(batch_size, sample_pixels))
+}
+
+/// [`ring_bytes`] as a CEL expression (a double) of the CEL expressions of its inputs. In
+/// doubles: CEL's integers overflow where the Rust saturates.
+pub fn ring_bytes_cel(prefetch_batches: &str, batch_size: &str, sample_pixels: &str) -> String {
+    format!(
+        "double(({prefetch_batches} + {HELD_BATCHES}) * {batch_size} * {RGB_BYTES}) * double({sample_pixels})"
+    )
 }
 
 /// Samples a decoder accepts in one `DecodeBatch` request; a sidecar sends a whole batch in one.

@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 
 use stoker_contract::{
-    DecodeArgs, GpuPlacement, IndexArgs, LoaderCommand, ResizeMode, S3Args, SidecarArgs, TlsArgs,
-    TransformArgs,
+    DecodeArgs, GpuPlacement, IndexArgs, IndexFiles, LoaderCommand, ResizeMode, S3Args,
+    SidecarArgs, TlsArgs, TransformArgs,
 };
 
 fn s3() -> S3Args {
@@ -140,6 +140,27 @@ fn index_arguments_parse_back_to_the_same_values() {
         "s3://i/",
     ];
     assert!(IndexArgs::parse_flags(both).is_err());
+}
+
+#[test]
+fn each_kind_of_index_files_names_its_own_field() {
+    let shards = IndexArgs::of(IndexFiles::Shards, "s3://a/{0..1}.tar", "s3://i/").unwrap();
+    assert_eq!(IndexFiles::Shards.flag(), "--shards");
+    assert_eq!(
+        (shards.shards.as_deref(), shards.parquet),
+        (Some("s3://a/{0..1}.tar"), None)
+    );
+    let parquet = IndexArgs::of(IndexFiles::Parquet, "s3://a/0.parquet", "s3://i/").unwrap();
+    assert_eq!(IndexFiles::Parquet.flag(), "--parquet");
+    assert_eq!(
+        (
+            parquet.shards,
+            parquet.parquet.as_deref(),
+            parquet.out.as_str()
+        ),
+        (None, Some("s3://a/0.parquet"), "s3://i/")
+    );
+    assert_eq!(SidecarArgs::of_bucket("b").unwrap().bucket, "b");
 }
 
 #[test]

@@ -11,6 +11,7 @@ use kube::CustomResource;
 use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use stoker_contract::IndexFiles;
 
 /// A declarative data-loading pipeline: where the images live, how they are decoded and batched,
 /// and the decoder fleet that feeds the trainer pods labelled `stoker.dev/pipeline: <name>`.
@@ -75,10 +76,7 @@ use serde::{Deserialize, Serialize};
     validation = kube::core::Rule::new(
         "self.autoscaling.mode != 'fixed' || (has(self.autoscaling.replicas) && self.autoscaling.replicas >= self.decoders.minReplicas && self.autoscaling.replicas <= self.decoders.maxReplicas)"
     ).message("autoscaling.replicas is required when autoscaling.mode is fixed and must lie between decoders.minReplicas and decoders.maxReplicas").field_path(".autoscaling.replicas"),
-    validation = kube::core::Rule::new(
-        // stoker_contract::ring_bytes, with HELD_BATCHES = 2 (the tests hold the two together).
-        "!isQuantity(self.trainer.sharedMemory) || quantity(self.trainer.sharedMemory).asApproximateFloat() >= double((self.trainer.prefetchBatches + 2) * self.batch.size * 3) * double(self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0))"
-    ).message("trainer.sharedMemory is too small for the ring: it must hold (trainer.prefetchBatches + 2 held by the trainer) × batch.size × (width × height, or maxPixels) × 3 bytes").field_path(".trainer.sharedMemory"),
+    validation = rules::shared_memory_holds_the_ring(),
     validation = rules::batch_fits_one_reply(),
 )]
 #[serde(rename_all = "camelCase")]
@@ -130,8 +128,8 @@ pub struct Source {
 /// What a source planned through a dataset index is built from (`webDataset`, `parquet`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct IndexedDataset<'a> {
-    /// `stoker-loader index`'s flag naming the files (`--shards`, `--parquet`) and its value.
-    pub flag: &'static str,
+    /// What kind of files `stoker-loader index` reads, and which.
+    pub kind: IndexFiles,
     pub files: &'a str,
     pub index: &'a str,
     pub shuffle_window: Option<u32>,
@@ -145,7 +143,7 @@ impl Source {
     pub fn indexed(&self) -> Option<IndexedDataset<'_>> {
         if let Some(w) = &self.web_dataset {
             return Some(IndexedDataset {
-                flag: "--shards",
+                kind: IndexFiles::Shards,
                 files: &w.shards,
                 index: &w.index,
                 shuffle_window: w.shuffle_window,
@@ -154,7 +152,7 @@ impl Source {
             });
         }
         self.parquet.as_ref().map(|p| IndexedDataset {
-            flag: "--parquet",
+            kind: IndexFiles::Parquet,
             files: &p.files,
             index: &p.index,
             shuffle_window: p.shuffle_window,
@@ -724,7 +722,8 @@ pub struct ScaleRecord {
 mod rules {
     use kube::core::Rule;
     use stoker_contract::{
-        MAX_BATCH_PIXEL_BYTES, MAX_BATCH_SAMPLES, MAX_GRPC_MESSAGE_BYTES, MAX_OUTPUT_PIXELS,
+        HELD_BATCHES, MAX_BATCH_PIXEL_BYTES, MAX_BATCH_SAMPLES, MAX_GRPC_MESSAGE_BYTES,
+        MAX_OUTPUT_PIXELS, RGB_BYTES, ring_bytes_cel,
     };
 
     /// A label value: at most 63 characters, alphanumerics, `-`, `_`, `.`, alphanumeric at both
@@ -746,7 +745,25 @@ mod rules {
     }
 
     /// The sample pixels of the output, whichever the mode (0 while a rule above refuses it).
-    pub const OUTPUT_PIXELS: &str = "(self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0))";
+    pub const OUTPUT_PIXELS: &str = "self.transform.resize.mode == 'qwenSmart' ? (has(self.transform.resize.maxPixels) ? self.transform.resize.maxPixels : 0) : (has(self.transform.resize.width) && has(self.transform.resize.height) ? self.transform.resize.width * self.transform.resize.height : 0)";
+
+    /// `stoker_contract::ring_bytes` of the spec, rendered from the same constants.
+    pub fn shared_memory_holds_the_ring() -> Rule {
+        let ring = ring_bytes_cel(
+            "self.trainer.prefetchBatches",
+            "self.batch.size",
+            OUTPUT_PIXELS,
+        );
+        rule(
+            format!(
+                "!isQuantity(self.trainer.sharedMemory) || quantity(self.trainer.sharedMemory).asApproximateFloat() >= {ring}"
+            ),
+            format!(
+                "trainer.sharedMemory is too small for the ring: it must hold (trainer.prefetchBatches + {HELD_BATCHES} held by the trainer) × batch.size × (width × height, or maxPixels) × {RGB_BYTES} bytes"
+            ),
+        )
+        .field_path(".trainer.sharedMemory")
+    }
 
     pub fn batch_size() -> Rule {
         rule(
@@ -759,7 +776,7 @@ mod rules {
 
     pub fn batch_fits_one_reply() -> Rule {
         rule(
-            format!("self.batch.size * 3 * {OUTPUT_PIXELS} <= {MAX_BATCH_PIXEL_BYTES}"),
+            format!("self.batch.size * {RGB_BYTES} * ({OUTPUT_PIXELS}) <= {MAX_BATCH_PIXEL_BYTES}"),
             format!(
                 "batch.size × (width × height, or maxPixels) × 3 bytes must be at most {MAX_BATCH_PIXEL_BYTES} ({} MiB): a batch travels in one gRPC reply of at most {} MiB",
                 mib(MAX_BATCH_PIXEL_BYTES),
@@ -929,7 +946,7 @@ mod tests {
             "s3://other/train/0.parquet".into();
         assert!(rejected(&dp).contains("source.parquet.files must lie in source.s3.bucket"));
         let indexed = pq.spec.source.indexed().expect("indexed");
-        assert_eq!(indexed.flag, "--parquet");
+        assert_eq!(indexed.kind, IndexFiles::Parquet);
         assert_eq!(indexed.columns, ["caption", "label"]);
     }
 

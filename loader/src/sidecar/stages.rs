@@ -193,7 +193,10 @@ pub(super) fn plan_epochs(args: &SidecarArgs, samples: usize) -> Result<EpochPla
 /// Prefetched plus held batches per ring, each slot a whole batch (or --slot-bytes).
 pub(super) fn ring_layout(args: &SidecarArgs, transform: &Transform) -> RingLayout {
     RingLayout {
-        slots: args.prefetch_batches.max(1) + args.held_batches.max(1),
+        slots: stoker_contract::ring_slots(
+            args.prefetch_batches.max(1) as u64,
+            args.held_batches.max(1) as u64,
+        ) as usize,
         slot_bytes: args
             .slot_bytes
             .unwrap_or_else(|| default_slot_bytes(transform, args.batch_size)),
@@ -203,7 +206,8 @@ pub(super) fn ring_layout(args: &SidecarArgs, transform: &Transform) -> RingLayo
 /// Bytes of one batch of RGB8 samples at the transform's slot size (larger samples become
 /// skips unless --slot-bytes says otherwise).
 fn default_slot_bytes(transform: &Transform, batch_size: usize) -> usize {
-    usize::try_from(transform.slot_pixels() * 3).unwrap_or(usize::MAX) * batch_size
+    let bytes = stoker_contract::slot_bytes(batch_size as u64, transform.slot_pixels());
+    usize::try_from(bytes).unwrap_or(usize::MAX)
 }
 
 /// Creates the memory-backed directory that holds the rings and the default sockets.
