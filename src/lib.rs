@@ -7,9 +7,11 @@
 pub mod api;
 pub mod autoscale;
 pub mod build;
+pub mod certs;
 pub mod controller;
 pub mod installation;
 pub mod leader;
+pub mod signal_source;
 pub mod telemetry;
 pub mod webhook;
 
@@ -37,7 +39,7 @@ pub struct Config {
     /// `/metrics`, `/healthz`, `/readyz`; `None` serves none.
     pub metrics_listen: Option<SocketAddr>,
     /// The autoscaler and the Prometheus it reads; `None` runs no autoscaler.
-    pub autoscaler: Option<autoscale::AutoscalerSettings>,
+    pub autoscaler: Option<signal_source::AutoscalerSettings>,
     /// The MutatingWebhookConfiguration the operator's own Secrets and Lease belong to (see
     /// [`installation`]); `None` leaves them without an owner.
     pub installation: Option<String>,
@@ -52,7 +54,7 @@ pub enum RunError {
     #[error("lost leadership of Lease {0}")]
     LostLease(String),
     #[error("autoscaler: {0}")]
-    Autoscaler(autoscale::prometheus::SignalError),
+    Autoscaler(signal_source::prometheus::SignalError),
 }
 
 impl RunError {
@@ -115,9 +117,7 @@ pub async fn start(
     let autoscaler = config
         .autoscaler
         .clone()
-        .map(|settings| {
-            controller::autoscaling::AutoscalerHandle::new(settings, metrics.autoscaler.clone())
-        })
+        .map(|settings| signal_source::AutoscalerHandle::new(settings, metrics.autoscaler.clone()))
         .transpose()
         .map_err(RunError::Autoscaler)?;
     let ctx = Arc::new(

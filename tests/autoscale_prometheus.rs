@@ -12,8 +12,10 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::jiff::Timestamp;
 use operator_support::exporter::{Exporter, ScrapedExporter};
-use stoker_operator::autoscale::prometheus::{PrometheusSignals, QueryTemplates, SignalScope};
+use stoker_operator::api::PipelineKey;
+use stoker_operator::autoscale::SignalScope;
 use stoker_operator::autoscale::{Autoscaler, AutoscalingPolicy, DecoderFleet, Signals};
+use stoker_operator::signal_source::prometheus::{PrometheusSignals, QueryTemplates};
 
 const NS: &str = "training";
 const PIPELINE: &str = "qwen";
@@ -308,7 +310,7 @@ async fn signals_from_a_real_prometheus() {
         ..AutoscalingPolicy::default()
     };
     let d = Autoscaler::default().step(
-        "training/qwen",
+        &PipelineKey::new("training", "qwen"),
         &policy,
         &fleet,
         Some(&signals),
@@ -356,7 +358,7 @@ async fn prometheus_unreachable_keeps_the_size() {
         ..DecoderFleet::default()
     };
     let d = Autoscaler::default().step(
-        "training/qwen",
+        &PipelineKey::new("training", "qwen"),
         &AutoscalingPolicy::default(),
         &fleet,
         None,

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
+use stoker_operator::api::PipelineKey;
 use stoker_operator::autoscale::policy::{Learned, ObservedSummary};
 use stoker_operator::autoscale::signals::{gating_data_wait, gbps_to_bytes_per_second};
 use stoker_operator::autoscale::{
@@ -601,7 +602,7 @@ fn run(controller: Controller, scenario: Scenario) -> Run {
                         .checked_add(Duration::from_secs(t))
                         .expect("valid time");
                     autoscaler.step(
-                        "training/sim",
+                        &PipelineKey::new("training", "sim"),
                         &policy,
                         &world.fleet(replicas),
                         Some(&signals),

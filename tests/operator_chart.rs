@@ -573,7 +573,7 @@ fn pod_monitors_give_the_labels_the_autoscaler_queries_use() {
             Some(&"__meta_kubernetes_pod_label_stoker_dev_role"),
             "{name}"
         );
-        let node = stoker_operator::autoscale::prometheus::QueryTemplates::default().node_label;
+        let node = stoker_operator::signal_source::prometheus::QueryTemplates::default().node_label;
         assert_eq!(
             targets.get(node.as_str()),
             Some(&"__meta_kubernetes_pod_node_name"),

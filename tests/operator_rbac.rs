@@ -17,9 +17,10 @@ use operator_support::*;
 use stoker_operator::Config;
 use stoker_operator::api::DataPipeline;
 use stoker_operator::api::v1alpha1::AutoscalingMode;
-use stoker_operator::autoscale::{AutoscalerSettings, AutoscalingPolicy};
+use stoker_operator::autoscale::AutoscalingPolicy;
 use stoker_operator::build::BuildDefaults;
 use stoker_operator::leader::LeaseConfig;
+use stoker_operator::signal_source::AutoscalerSettings;
 use stoker_testenv::cluster::ControlPlane;
 
 /// Whether `result` is the API server's 403.

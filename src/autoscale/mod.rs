@@ -21,10 +21,8 @@
 //! sidecars, and `decision.condition_reports()`, `decision.observed_signals()` and the reason
 //! (`status.lastScale`, an Event) go into the status.
 
-pub mod cache;
 pub mod metrics;
 pub mod policy;
-pub mod prometheus;
 pub mod signals;
 
 use std::collections::BTreeMap;
@@ -32,56 +30,15 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
 
-use crate::api::DataPipeline;
 use crate::api::v1alpha1::ObservedSignals;
-use prometheus::SignalScope;
+use crate::api::{DataPipeline, PipelineKey};
 
 pub use policy::{
     AutoscalingPolicy, DecoderCount, DecoderFleet, ScaleConditions, ScaleDecision, ScaleHistory,
     decide, decoder_count, keep_off,
 };
-pub use signals::{DecoderSignal, NodeNetwork, Signals};
-
-/// Operator-wide autoscaler settings (flags or chart values), for what the CRD does not carry.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AutoscalerSettings {
-    /// Prometheus' base URL; `None` reads nothing and keeps every size (`MetricsUnavailable`).
-    pub prometheus_url: Option<String>,
-    /// How often a pipeline's signals are read and decided on.
-    pub period: Duration,
-    /// Bound on each Prometheus query.
-    pub query_timeout: Duration,
-    pub templates: prometheus::QueryTemplates,
-    /// Window, headroom, tolerance, S3 and local-decode limits, default link speed: every
-    /// pipeline starts from these; the spec's fields override the rest.
-    pub defaults: AutoscalingPolicy,
-}
-
-impl Default for AutoscalerSettings {
-    fn default() -> Self {
-        Self {
-            prometheus_url: None,
-            period: Duration::from_secs(30),
-            query_timeout: Duration::from_secs(5),
-            templates: prometheus::QueryTemplates::default(),
-            defaults: AutoscalingPolicy::default(),
-        }
-    }
-}
-
-impl AutoscalerSettings {
-    /// The reader for `prometheus_url`, if one is set.
-    pub fn reader(&self) -> Result<Option<prometheus::PrometheusSignals>, prometheus::SignalError> {
-        self.prometheus_url
-            .as_deref()
-            .map(|url| {
-                prometheus::PrometheusSignals::new(url, self.templates.clone(), self.query_timeout)
-            })
-            .transpose()
-    }
-}
+pub use signals::{DecoderSignal, NodeNetwork, SignalScope, Signals};
 
 /// A node's link speed in gigabits per second, for nodes whose node-exporter reports none.
 pub const ANNOTATION_NIC_GBPS: &str = "stoker.dev/nic-gbps";
@@ -103,7 +60,7 @@ impl DecoderFleet {
             pods: decoders
                 .iter()
                 .filter(live)
-                .filter_map(|p| node_of(p).map(|n| (p.name_any(), n)))
+                .filter_map(|p| Some((p.metadata.name.clone()?, node_of(p)?)))
                 .collect(),
             trainers: world_size,
             trainer_nodes,
@@ -114,8 +71,7 @@ impl DecoderFleet {
     /// What to ask Prometheus about this fleet.
     pub fn scope(
         &self,
-        namespace: &str,
-        pipeline: &str,
+        pipeline: &PipelineKey,
         trainer_pods: &[Pod],
         window: Duration,
     ) -> SignalScope {
@@ -128,24 +84,22 @@ impl DecoderFleet {
         nodes.sort();
         nodes.dedup();
         SignalScope {
-            namespace: namespace.to_string(),
-            pipeline: pipeline.to_string(),
-            trainer_pods: trainer_pods.iter().map(|p| p.name_any()).collect(),
+            namespace: pipeline.namespace.clone(),
+            pipeline: pipeline.name.clone(),
+            trainer_pods: trainer_pods
+                .iter()
+                .filter_map(|p| p.metadata.name.clone())
+                .collect(),
             nodes,
             window,
         }
     }
 }
 
-/// `namespace/name`: how the autoscaler keys a pipeline's history.
-pub fn pipeline_key(dp: &DataPipeline) -> String {
-    format!("{}/{}", dp.namespace().unwrap_or_default(), dp.name_any())
-}
-
-/// The autoscaler's memory of every pipeline it decides for, keyed by `namespace/name`.
+/// The autoscaler's memory of every pipeline it decides for.
 #[derive(Debug, Default)]
 pub struct Autoscaler {
-    pipelines: BTreeMap<String, ScaleHistory>,
+    pipelines: BTreeMap<PipelineKey, ScaleHistory>,
 }
 
 impl Autoscaler {
@@ -153,20 +107,20 @@ impl Autoscaler {
     /// Prometheus could not be read: the decision keeps the size and says so.
     pub fn step(
         &mut self,
-        pipeline: &str,
+        pipeline: &PipelineKey,
         policy: &AutoscalingPolicy,
         fleet: &DecoderFleet,
         signals: Option<&Signals>,
         now: Timestamp,
     ) -> ScaleDecision {
-        let history = self.pipelines.entry(pipeline.to_string()).or_default();
+        let history = self.pipelines.entry(pipeline.clone()).or_default();
         let decision = decide(policy, fleet, signals, history, now);
         history.remember(&decision, policy, now);
         decision
     }
 
     /// [`Autoscaler::step`] with the policy the pipeline's spec asks for over the
-    /// operator-wide `defaults`, keyed by [`pipeline_key`].
+    /// operator-wide `defaults`.
     pub fn step_pipeline(
         &mut self,
         dp: &DataPipeline,
@@ -176,12 +130,12 @@ impl Autoscaler {
         now: Timestamp,
     ) -> ScaleDecision {
         let policy = AutoscalingPolicy::from_spec_over(&dp.spec, defaults);
-        self.step(&pipeline_key(dp), &policy, fleet, signals, now)
+        self.step(&PipelineKey::of(dp), &policy, fleet, signals, now)
     }
 
     /// Whether a pipeline is due for a decision: reconciles come with every pod event, but
     /// Prometheus is read once per `period` (a new window holds new information only so often).
-    pub fn due(&self, pipeline: &str, now: Timestamp, period: Duration) -> bool {
+    pub fn due(&self, pipeline: &PipelineKey, now: Timestamp, period: Duration) -> bool {
         self.pipelines
             .get(pipeline)
             .and_then(ScaleHistory::decided_at)
@@ -189,7 +143,7 @@ impl Autoscaler {
     }
 
     /// Nodes new decoders of `pipeline` must not land on, from its latest decision.
-    pub fn avoid_nodes(&self, pipeline: &str) -> Vec<String> {
+    pub fn avoid_nodes(&self, pipeline: &PipelineKey) -> Vec<String> {
         self.pipelines
             .get(pipeline)
             .map(|h| h.avoid_nodes().to_vec())
@@ -197,11 +151,11 @@ impl Autoscaler {
     }
 
     /// Drops a deleted pipeline's history.
-    pub fn forget(&mut self, pipeline: &str) {
+    pub fn forget(&mut self, pipeline: &PipelineKey) {
         self.pipelines.remove(pipeline);
     }
 
-    pub fn history(&self, pipeline: &str) -> Option<&ScaleHistory> {
+    pub fn history(&self, pipeline: &PipelineKey) -> Option<&ScaleHistory> {
         self.pipelines.get(pipeline)
     }
 }
@@ -342,7 +296,11 @@ mod tests {
             f.trainer_nodes,
             BTreeMap::from([("gpu-1".into(), 2), ("gpu-2".into(), 1)])
         );
-        let scope = f.scope("training", "qwen", &trainers, Duration::from_secs(60));
+        let scope = f.scope(
+            &PipelineKey::new("training", "qwen"),
+            &trainers,
+            Duration::from_secs(60),
+        );
         assert_eq!(scope.nodes, ["cpu-1", "cpu-2", "gpu-1", "gpu-2"]);
         assert_eq!(scope.trainer_pods, ["t-0", "t-1", "t-2"]);
     }
@@ -363,26 +321,41 @@ mod tests {
             replicas: 1,
             ..DecoderFleet::default()
         };
-        let settings = AutoscalerSettings::default();
-        assert!(settings.reader().expect("no URL is no error").is_none());
-        let d =
-            autoscaler.step_pipeline(&dp, &settings.defaults, &fleet, None, Timestamp::UNIX_EPOCH);
+        let d = autoscaler.step_pipeline(
+            &dp,
+            &AutoscalingPolicy::default(),
+            &fleet,
+            None,
+            Timestamp::UNIX_EPOCH,
+        );
         assert_eq!(
             d.replicas, 4,
             "minReplicas 4 bounds even a kept size: {}",
             d.reason
         );
-        assert!(autoscaler.history("training/qwen3vl-pretrain").is_some());
+        assert!(
+            autoscaler
+                .history(&PipelineKey::new("training", "qwen3vl-pretrain"))
+                .is_some()
+        );
         let period = Duration::from_secs(30);
         let later = |s: i64| Timestamp::from_second(s).expect("valid time");
-        assert!(!autoscaler.due("training/qwen3vl-pretrain", later(29), period));
-        assert!(autoscaler.due("training/qwen3vl-pretrain", later(30), period));
-        assert!(autoscaler.due("training/other", later(0), period));
+        assert!(!autoscaler.due(
+            &PipelineKey::new("training", "qwen3vl-pretrain"),
+            later(29),
+            period
+        ));
+        assert!(autoscaler.due(
+            &PipelineKey::new("training", "qwen3vl-pretrain"),
+            later(30),
+            period
+        ));
+        assert!(autoscaler.due(&PipelineKey::new("training", "other"), later(0), period));
     }
 
     #[test]
     fn new_decoders_avoid_what_the_last_decision_found_hot() {
-        let key = "training/qwen";
+        let key = &PipelineKey::new("training", "qwen");
         let link = signals::gbps_to_bytes_per_second(10.0);
         let fleet = DecoderFleet {
             replicas: 1,
@@ -418,7 +391,7 @@ mod tests {
     #[test]
     fn conditions_say_why() {
         let d = Autoscaler::default().step(
-            "training/qwen",
+            &PipelineKey::new("training", "qwen"),
             &AutoscalingPolicy::default(),
             &DecoderFleet {
                 replicas: 3,

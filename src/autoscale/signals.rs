@@ -2,6 +2,7 @@
 //! fills it, `policy.rs` and the simulation read it.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// One pipeline's signals over the autoscaler's window. `None` means the series was absent.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -121,4 +122,15 @@ mod tests {
             assert_eq!(gating_data_wait(waits.iter().copied()), *expected, "{name}");
         }
     }
+}
+
+/// What to read: one pipeline over one window.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SignalScope {
+    pub namespace: String,
+    pub pipeline: String,
+    pub trainer_pods: Vec<String>,
+    /// Nodes running the pipeline's decoders or trainers.
+    pub nodes: Vec<String>,
+    pub window: Duration,
 }

@@ -1,11 +1,15 @@
-//! The I/O half of a reconcile: server-side apply of the children in [`Desired`] and the
-//! decoder pods' creates, drains and deletes.
+//! The write half of a reconcile: everything [`Desired`] says, and nothing else. Children are
+//! server-side applied (skipped when the cache shows them as built), the certificate Secrets
+//! written CA first, the index Job created once, decoder pods created, drained and deleted,
+//! trainers told their local-decode share; then every owned child of a pruned kind that
+//! `Desired` no longer names is deleted ([`stale`]).
 
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, PropagationPolicy};
 use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
@@ -14,9 +18,10 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use super::desired::{DecoderChanges, Desired};
-use super::reconcile::PipelineKey;
-use super::{ChildStores, Context, Error, FIELD_MANAGER};
-use crate::api::{ANNOTATION_DRAIN_STARTED, LABEL_DRAINING};
+use super::local_share::LocalShare;
+use super::{ChildStores, Context, Error, FIELD_MANAGER, owned_by};
+use crate::api::{ANNOTATION_DRAIN_STARTED, LABEL_DRAINING, PipelineKey};
+use crate::certs::pipeline::CertChanges;
 
 /// Pod writes one reconcile keeps in flight: fast scale-up without a burst that trips API
 /// priority and fairness.
@@ -39,9 +44,13 @@ pub async fn apply_desired(
         sidecar_token,
         decoder_service_account,
         index_job,
+        certs,
+        local_share,
         decoders,
     } = desired;
     let client = &ctx.client;
+    // Before the decoders that mount it: a pod whose Secret is missing waits for it.
+    write_certificates(client, certs).await?;
     // The watches' copies: children already as built are not applied again.
     let cached = ctx.children();
     let c = cached.as_ref();
@@ -56,7 +65,7 @@ pub async fn apply_desired(
     // (NotFound). Then the rest at once, each to its end: one failing apply must not abort
     // the others mid-request (under load a slow one would never land).
     let role = apply_child(client, sidecar_role, c.map(|c| &c.roles)).await?;
-    let (service, network_policy, role_binding, account, decoder_account) = futures::join!(
+    let (service_applied, network_policy_applied, role_binding, account, decoder_account) = futures::join!(
         apply_child(client, service, c.map(|c| &c.services)),
         apply_child(client, network_policy, c.map(|c| &c.network_policies)),
         apply_child(client, sidecar_role_binding, c.map(|c| &c.role_bindings)),
@@ -65,17 +74,198 @@ pub async fn apply_desired(
     );
     ctx.metrics.children_applied(&[
         role,
-        service?,
-        network_policy?,
+        service_applied?,
+        network_policy_applied?,
         role_binding?,
         account?,
         decoder_account?,
     ]);
     create_token_secret(ctx, sidecar_token).await?;
     if let Some(job) = index_job {
-        super::index::ensure_job(ctx, job).await?;
+        ensure_job(ctx, job).await?;
     }
-    apply_decoder_changes(ctx, key, decoders, now).await
+    if let Some(share) = local_share {
+        tell_local_share(client, &key.namespace, share).await;
+    }
+    apply_decoder_changes(ctx, key, decoders, now).await?;
+    let Some(stores) = c else {
+        return Ok(());
+    };
+    let owner = desired_owner(service);
+    let (services, policies) = ([Some(service)], [Some(network_policy)]);
+    let (roles, bindings) = ([Some(sidecar_role)], [Some(sidecar_role_binding)]);
+    let accounts = [
+        Some(sidecar_service_account),
+        decoder_service_account.as_ref(),
+    ];
+    let jobs = [index_job.as_ref()];
+    futures::try_join!(
+        prune(client, &stores.services, &owner, &services),
+        prune(client, &stores.network_policies, &owner, &policies),
+        prune(client, &stores.roles, &owner, &roles),
+        prune(client, &stores.role_bindings, &owner, &bindings),
+        prune(client, &stores.service_accounts, &owner, &accounts),
+        prune(client, &stores.jobs, &owner, &jobs),
+    )?;
+    Ok(())
+}
+
+/// The pipeline's UID, as every child it owns names it.
+fn desired_owner(child: &impl Resource) -> String {
+    child
+        .meta()
+        .owner_references
+        .iter()
+        .flatten()
+        .map(|o| o.uid.clone())
+        .next()
+        .unwrap_or_default()
+}
+
+/// The names of the objects in `cached` that `owner_uid` owns and `keep` does not name (nor
+/// already being deleted): what pruning deletes. An object another owner (or nobody) owns is
+/// never touched, whatever its name.
+pub fn stale<K: Resource>(cached: &[K], owner_uid: &str, keep: &[Option<&K>]) -> Vec<String> {
+    let kept: Vec<String> = keep.iter().flatten().map(|k| k.name_any()).collect();
+    cached
+        .iter()
+        .filter(|o| owned_by(*o, owner_uid))
+        .filter(|o| o.meta().deletion_timestamp.is_none())
+        .map(ResourceExt::name_any)
+        .filter(|name| !kept.contains(name))
+        .collect()
+}
+
+/// Deletes the owned objects of one kind that left `Desired`; a Job's pods go with it.
+async fn prune<K: Child + 'static>(
+    client: &Client,
+    store: &Store<K>,
+    owner_uid: &str,
+    keep: &[Option<&K>],
+) -> Result<(), Error> {
+    let cached: Vec<K> = ChildStores::owned(store, owner_uid);
+    let names = stale(&cached, owner_uid, keep);
+    let Some(namespace) = keep
+        .iter()
+        .flatten()
+        .find_map(|k| k.namespace())
+        .or_else(|| cached.first().and_then(ResourceExt::namespace))
+    else {
+        return Ok(());
+    };
+    let api: Api<K> = Api::namespaced(client.clone(), &namespace);
+    let params = DeleteParams {
+        propagation_policy: Some(PropagationPolicy::Background),
+        ..DeleteParams::default()
+    };
+    for name in names {
+        match api.delete(&name, &params).await {
+            Ok(_) => {
+                tracing::info!(kind = %K::kind(&()), %namespace, %name, "pruned a child the pipeline no longer has")
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(source) => {
+                return Err(Error::Kube {
+                    verb: "delete",
+                    kind: short_kind::<K>(),
+                    namespace,
+                    name,
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes the CA Secret (create, or replace at the resourceVersion observed) and then the
+/// pipeline's certificate. A CA another reconcile wrote first makes this one stale: its
+/// certificate, signed by the loser, is never written.
+async fn write_certificates(client: &Client, certs: &CertChanges) -> Result<(), Error> {
+    if let Some(ca) = &certs.ca {
+        let namespace = ca.namespace().unwrap_or_default();
+        let name = ca.name_any();
+        let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+        let written = match ca.metadata.resource_version {
+            None => api.create(&PostParams::default(), ca).await,
+            Some(_) => api.replace(&name, &PostParams::default(), ca).await,
+        };
+        match written {
+            Ok(_) => tracing::info!(%namespace, secret = %name, "wrote the pipeline CA"),
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                return Err(Error::Stale {
+                    kind: "Secret",
+                    namespace,
+                    name,
+                });
+            }
+            Err(source) => {
+                return Err(Error::Kube {
+                    verb: "write",
+                    kind: "Secret",
+                    namespace,
+                    name,
+                    source,
+                });
+            }
+        }
+    }
+    if let Some(secret) = &certs.pipeline {
+        apply(client, secret, FIELD_MANAGER).await?;
+    }
+    Ok(())
+}
+
+/// Creates the index Job unless it exists. A Job's pod template is immutable and a finished
+/// Job must not run again, so it is created once and never applied over.
+async fn ensure_job(ctx: &Context, job: &Job) -> Result<(), Error> {
+    let cached = ctx
+        .children()
+        .is_some_and(|c| ChildStores::live(&c.jobs, job).is_some());
+    if cached {
+        return Ok(());
+    }
+    let namespace = job.namespace().unwrap_or_default();
+    let api: Api<Job> = Api::namespaced(ctx.client.clone(), &namespace);
+    let params = PostParams {
+        field_manager: Some(FIELD_MANAGER.to_string()),
+        ..PostParams::default()
+    };
+    match api.create(&params, job).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(source) => Err(Error::Kube {
+            verb: "create",
+            kind: "Job",
+            namespace,
+            name: job.name_any(),
+            source,
+        }),
+    }
+}
+
+/// Writes the share on each trainer pod `share` names; a failed patch is retried at the next
+/// decision (the pod still says otherwise then).
+async fn tell_local_share(client: &Client, namespace: &str, share: &LocalShare) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let patch = Patch::Merge(share.patch());
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.to_string()),
+        ..PatchParams::default()
+    };
+    let patches = share
+        .pods
+        .iter()
+        .map(|name| pods.patch(name, &params, &patch));
+    let results = futures::future::join_all(patches).await;
+    for (name, result) in share.pods.iter().zip(results) {
+        let share = share.share;
+        match result {
+            Ok(_) => tracing::info!(pod = %name, %namespace, share, "local decode share set"),
+            Err(e) => tracing::warn!(pod = %name, %namespace, share, error = %e,
+                "local decode share not set; retried at the next decision"),
+        }
+    }
 }
 
 /// Creates the sidecar's token Secret once per pipeline and process (after its ServiceAccount,
@@ -131,7 +321,7 @@ async fn apply_decoder_changes(
     changes: &DecoderChanges,
     now: Timestamp,
 ) -> Result<(), Error> {
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &key.0);
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &key.namespace);
     let remember = |written: Vec<Pod>, deleted: Vec<String>| {
         ctx.pod_writes.record(key.clone(), written, deleted);
     };
@@ -319,6 +509,8 @@ fn short_kind<K: Resource<DynamicType = ()>>() -> &'static str {
         "Role" => "Role",
         "RoleBinding" => "RoleBinding",
         "ServiceAccount" => "ServiceAccount",
+        "Job" => "Job",
+        "Secret" => "Secret",
         _ => "object",
     }
 }
@@ -370,7 +562,55 @@ pub async fn delete(api: &Api<Pod>, name: &str) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::ConfigMap;
+    use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
+    use k8s_openapi::api::networking::v1::NetworkPolicy;
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+
+    fn owned<K: Resource + Default>(name: &str, owner: &str) -> K {
+        let mut k = K::default();
+        k.meta_mut().name = Some(name.into());
+        k.meta_mut().owner_references = Some(vec![
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                uid: owner.into(),
+                ..Default::default()
+            },
+        ]);
+        k
+    }
+
+    /// For one kind: the pipeline's child that left `Desired` is pruned, the one it keeps and
+    /// another owner's of the same name are not.
+    fn prunes_only_what_left<K: Resource + Default>() {
+        let kept: K = owned("p-decoders", "u1");
+        let cached = [
+            owned::<K>("p-decoders", "u1"),
+            owned::<K>("p-old", "u1"),
+            owned::<K>("p-old", "someone-else"),
+            K::default(),
+        ];
+        assert_eq!(stale(&cached, "u1", &[Some(&kept)]), ["p-old"]);
+        assert_eq!(stale(&cached, "u1", &[None]), ["p-decoders", "p-old"]);
+        assert!(stale(&cached, "", &[None]).is_empty(), "no owner, no prune");
+    }
+
+    #[test]
+    fn every_pruned_kind_deletes_only_its_own_children_that_left() {
+        prunes_only_what_left::<Service>();
+        prunes_only_what_left::<NetworkPolicy>();
+        prunes_only_what_left::<Role>();
+        prunes_only_what_left::<RoleBinding>();
+        prunes_only_what_left::<ServiceAccount>();
+        prunes_only_what_left::<Job>();
+    }
+
+    #[test]
+    fn a_child_being_deleted_is_not_deleted_again() {
+        let mut going: Job = owned("p-index-1", "u1");
+        going.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH),
+        );
+        assert!(stale(&[going], "u1", &[None]).is_empty());
+    }
 
     fn built() -> ConfigMap {
         serde_json::from_value(json!({

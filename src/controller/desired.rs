@@ -9,22 +9,19 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use stoker_contract::RenderError;
 
-use super::fleet;
+use super::local_share::{self, LocalShare};
+pub use super::observe::Observed;
+use super::{Error, fleet};
 use crate::api::DataPipeline;
+use crate::api::v1alpha1::AutoscalingMode;
 use crate::autoscale::ScaleDecision;
 use crate::build::{BuildDefaults, decoder_pod, index_job, network_policy, service, sidecar_rbac};
-
-/// The pipeline's pods, as the controller's caches (and its own recent writes) show them.
-#[derive(Clone, Debug, Default)]
-pub struct Observed {
-    pub decoders: Vec<Pod>,
-    pub trainers: Vec<Pod>,
-    /// What a sidecar last said about the source refusing samples, while it is recent.
-    pub source_outage: Option<String>,
-}
+use crate::certs::pipeline::{self as certs, CertChanges};
 
 /// What the decide step concluded for this reconcile.
 #[derive(Clone, Debug, Default)]
@@ -37,7 +34,8 @@ pub struct Scale {
     pub avoid_nodes: Vec<String>,
 }
 
-/// Every child of a pipeline.
+/// Every child of a pipeline, and every other write the reconcile makes. A child of a kind
+/// the apply step prunes that is not named here is deleted.
 #[derive(Clone, Debug)]
 pub struct Desired {
     pub service: Service,
@@ -49,8 +47,12 @@ pub struct Desired {
     pub sidecar_token: Secret,
     /// The decoders' ServiceAccount, unless the pipeline names its own.
     pub decoder_service_account: Option<ServiceAccount>,
-    /// The Job that builds a `webDataset` source's index (see [`index_job`]).
+    /// The Job that builds an indexed source's index (see [`index_job`]).
     pub index_job: Option<Job>,
+    /// The CA and the pipeline's certificate, when either is (re)issued.
+    pub certs: CertChanges,
+    /// The trainers to tell a new local-decode share (`auto` mode, on a decision).
+    pub local_share: Option<LocalShare>,
     pub decoders: DecoderChanges,
 }
 
@@ -79,14 +81,41 @@ impl DecoderChanges {
     }
 }
 
-/// Every child `dp` should have now.
+/// Why the desired state could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum DesiredError {
+    #[error("loader arguments for DataPipeline {name}: {source}")]
+    LoaderArgs {
+        name: String,
+        #[source]
+        source: RenderError,
+    },
+    #[error(transparent)]
+    Certificates(#[from] crate::certs::CertError),
+}
+
+impl From<DesiredError> for Error {
+    fn from(e: DesiredError) -> Self {
+        match e {
+            DesiredError::LoaderArgs { name, source } => Error::LoaderArgs { name, source },
+            DesiredError::Certificates(e) => Error::Certificates(e),
+        }
+    }
+}
+
+/// Every child `dp` should have now; `installation` owns the CA.
 pub fn desired(
     dp: &DataPipeline,
     observed: &Observed,
     scale: &Scale,
     defaults: &BuildDefaults,
+    installation: Option<&OwnerReference>,
     now: Timestamp,
-) -> Result<Desired, RenderError> {
+) -> Result<Desired, DesiredError> {
+    let loader_args = |source| DesiredError::LoaderArgs {
+        name: dp.name_any(),
+        source,
+    };
     Ok(Desired {
         service: service::decoder_service(dp),
         network_policy: network_policy::network_policy(dp),
@@ -95,9 +124,21 @@ pub fn desired(
         sidecar_service_account: sidecar_rbac::sidecar_service_account(dp),
         sidecar_token: sidecar_rbac::sidecar_token_secret(dp),
         decoder_service_account: sidecar_rbac::decoder_service_account_object(dp),
-        index_job: index_job::index_job(dp, defaults)?,
-        decoders: decoder_changes(dp, observed, scale, defaults, now)?,
+        index_job: index_job::index_job(dp, defaults).map_err(loader_args)?,
+        certs: certs::plan(dp, &observed.certs, installation, now)?,
+        local_share: local_share_told(dp, observed, scale),
+        decoders: decoder_changes(dp, observed, scale, defaults, now).map_err(loader_args)?,
     })
+}
+
+/// In `auto` mode a decision's local-decode share goes to the trainers that say otherwise; in
+/// `recommend` mode the decision is recorded, never acted on.
+fn local_share_told(dp: &DataPipeline, observed: &Observed, scale: &Scale) -> Option<LocalShare> {
+    let decision = scale.decision.as_ref()?;
+    if dp.spec.autoscaling.mode != AutoscalingMode::Auto {
+        return None;
+    }
+    local_share::plan(&observed.trainers, decision.local_decode_share)
 }
 
 /// The decoder count, and the pods to create, drain and delete to reach it. Decoders whose
@@ -181,11 +222,16 @@ mod tests {
             &Observed::default(),
             &Scale::default(),
             &BuildDefaults::default(),
+            None,
             t(0),
         )
         .expect("builds");
         assert_eq!(d.decoders.replicas, 4, "{}", d.decoders.reason);
         assert_eq!(d.decoders.create.len(), 4);
+        assert!(
+            d.certs.ca.is_some() && d.certs.pipeline.is_some(),
+            "a first pipeline brings the CA and its certificate"
+        );
         let labels = d.decoders.create[0]
             .metadata
             .labels
@@ -214,14 +260,14 @@ mod tests {
             decoders: (0..5)
                 .map(|i| serving(&dp, &format!("d{i}"), &format!("n{i}")))
                 .collect(),
-            trainers: vec![],
-            source_outage: None,
+            ..Observed::default()
         };
         let d = desired(
             &dp,
             &observed,
             &Scale::default(),
             &BuildDefaults::default(),
+            None,
             t(0),
         )
         .expect("builds");
@@ -237,8 +283,7 @@ mod tests {
             decoders: (0..4)
                 .map(|i| serving(&dp, &format!("d{i}"), &format!("n{i}")))
                 .collect(),
-            trainers: vec![],
-            source_outage: None,
+            ..Observed::default()
         };
         // A decision without signals keeps the size; the test adds the move.
         let policy = crate::autoscale::AutoscalingPolicy::from_spec(&dp.spec);
@@ -246,15 +291,28 @@ mod tests {
             replicas: 4,
             ..crate::autoscale::DecoderFleet::default()
         };
-        let mut decision =
-            crate::autoscale::Autoscaler::default().step("training/p", &policy, &fleet, None, t(0));
+        let mut decision = crate::autoscale::Autoscaler::default().step(
+            &crate::api::PipelineKey::new("training", "p"),
+            &policy,
+            &fleet,
+            None,
+            t(0),
+        );
         decision.move_pods = vec!["d1".into()];
         let scale = Scale {
             decision: Some(decision),
             in_effect: Some(4),
             avoid_nodes: vec!["n1".into()],
         };
-        let d = desired(&dp, &observed, &scale, &BuildDefaults::default(), t(0)).expect("builds");
+        let d = desired(
+            &dp,
+            &observed,
+            &scale,
+            &BuildDefaults::default(),
+            None,
+            t(0),
+        )
+        .expect("builds");
         assert_eq!(d.decoders.drain, vec!["d1".to_string()]);
         assert_eq!(d.decoders.create.len(), 1, "the moved decoder is replaced");
         let affinity = serde_json::to_value(&d.decoders.create[0].spec).expect("json");
@@ -276,6 +334,7 @@ mod tests {
             &Observed::default(),
             &scale,
             &BuildDefaults::default(),
+            None,
             t(0),
         )
         .expect("builds");

@@ -25,7 +25,16 @@ pub enum Error {
         source: stoker_contract::RenderError,
     },
     #[error(transparent)]
-    Certificates(#[from] super::certs::CertError),
+    Certificates(#[from] crate::certs::CertError),
+    /// An object changed between this reconcile's read and its write (another reconcile wrote
+    /// it first): the pipeline is looked at again at once, from fresh reads, and nothing is
+    /// reported.
+    #[error("{kind} {namespace}/{name} changed since it was read")]
+    Stale {
+        kind: &'static str,
+        namespace: String,
+        name: String,
+    },
 }
 
 impl Error {
@@ -43,6 +52,7 @@ impl Error {
             Self::MissingNamespace(_) => "invalid_object",
             Self::LoaderArgs { source, .. } => source.category(),
             Self::Certificates(e) => e.category(),
+            Self::Stale { .. } => "stale",
         }
     }
 

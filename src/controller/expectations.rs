@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
+use crate::api::PipelineKey;
+
 /// After this long a write the cache never showed is dropped: the pod went away in between
 /// (its creation and deletion both fell in a watch gap), and the cache is right.
 const EXPECTATION_TTL: Duration = Duration::from_secs(60);
@@ -33,12 +35,12 @@ struct Pending {
 /// Pod writes per pipeline (namespace, name) that the cache has not shown yet.
 #[derive(Debug, Default)]
 pub struct PodExpectations {
-    pending: Mutex<HashMap<(String, String), Pending>>,
+    pending: Mutex<HashMap<PipelineKey, Pending>>,
 }
 
 impl PodExpectations {
     /// Remembers one reconcile's pod writes: the replies to creates and drains, the names deleted.
-    pub fn record(&self, pipeline: (String, String), written: Vec<Pod>, deleted: Vec<String>) {
+    pub fn record(&self, pipeline: PipelineKey, written: Vec<Pod>, deleted: Vec<String>) {
         if written.is_empty() && deleted.is_empty() {
             return;
         }
@@ -61,7 +63,7 @@ impl PodExpectations {
 
     /// The cached pods of `pipeline` with its writes the cache has not caught up with laid over;
     /// writes the cache now shows are forgotten.
-    pub fn overlay(&self, pipeline: &(String, String), cached: Vec<Pod>) -> Vec<Pod> {
+    pub fn overlay(&self, pipeline: &PipelineKey, cached: Vec<Pod>) -> Vec<Pod> {
         let mut pending = self.lock();
         let Some(entry) = pending.get_mut(pipeline) else {
             return cached;
@@ -104,7 +106,7 @@ impl PodExpectations {
         self.lock().clear();
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Pending>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PipelineKey, Pending>> {
         self.pending
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -136,8 +138,8 @@ mod tests {
         p
     }
 
-    fn key() -> (String, String) {
-        ("ns".into(), "dp".into())
+    fn key() -> PipelineKey {
+        PipelineKey::new("ns", "dp")
     }
 
     fn names_and_versions(pods: &[Pod]) -> Vec<(String, String)> {
@@ -194,7 +196,7 @@ mod tests {
     fn other_pipelines_are_untouched() {
         let e = PodExpectations::default();
         e.record(key(), vec![pod("b", 10)], vec![]);
-        let other = ("ns".to_string(), "other".to_string());
+        let other = PipelineKey::new("ns", "other");
         assert_eq!(e.overlay(&other, vec![pod("x", 1)]).len(), 1);
     }
 

@@ -6,11 +6,9 @@
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams, PostParams};
 use kube::{Resource, ResourceExt};
 
 use super::status::{DEGRADED, READY, set_condition};
-use super::{ChildStores, Context, Error, FIELD_MANAGER};
 use crate::api::DataPipeline;
 use crate::api::v1alpha1::{DataPipelineStatus, IndexStatus};
 
@@ -19,45 +17,25 @@ pub const BUILDING: &str = "Building";
 pub const READY_PHASE: &str = "Ready";
 pub const FAILED: &str = "Failed";
 
+/// A pipeline's index Jobs and their pods, as the observe step read them.
+#[derive(Clone, Debug, Default)]
+pub struct IndexObserved {
+    /// The Jobs the pipeline owns (the one desired, and any a source change left behind).
+    pub jobs: Vec<Job>,
+    /// The pods of those Jobs (label `stoker.dev/index-of`).
+    pub pods: Vec<Pod>,
+}
+
 /// The label the Job controller puts on a Job's pods.
 const JOB_NAME_LABEL: &str = "batch.kubernetes.io/job-name";
 
-/// Creates the index Job unless it exists. A Job's pod template is immutable and a finished
-/// Job must not run again, so it is created once and never applied over.
-pub async fn ensure_job(ctx: &Context, job: &Job) -> Result<(), Error> {
-    let namespace = job.namespace().unwrap_or_default();
-    let name = job.name_any();
-    let cached = ctx
-        .children()
-        .is_some_and(|c| ChildStores::live(&c.jobs, job).is_some());
-    if cached {
-        return Ok(());
-    }
-    let api: Api<Job> = Api::namespaced(ctx.client.clone(), &namespace);
-    let params = PostParams {
-        field_manager: Some(FIELD_MANAGER.to_string()),
-        ..PostParams::default()
-    };
-    match api.create(&params, job).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-        Err(source) => Err(Error::Kube {
-            verb: "create",
-            kind: "Job",
-            namespace,
-            name,
-            source,
-        }),
-    }
-}
-
-/// `status.index` now: kept as it was once settled for this Job (no API reads), else from the
-/// Job in the cache and, when it has finished, its pods' termination messages.
-pub async fn observe(ctx: &Context, dp: &DataPipeline, job: &Job) -> Result<IndexStatus, Error> {
+/// `status.index` for the desired `job`: kept as it was once settled for this Job, else from
+/// the Job as observed and, when it has finished, its pods' termination messages.
+pub fn status_of(dp: &DataPipeline, job: &Job, observed: &IndexObserved) -> IndexStatus {
     let name = job.name_any();
     let previous = dp.status.as_ref().and_then(|s| s.index.clone());
     if let Some(p) = previous.filter(|p| p.job == name && p.phase != BUILDING) {
-        return Ok(p);
+        return p;
     }
     let location = dp
         .spec
@@ -65,29 +43,22 @@ pub async fn observe(ctx: &Context, dp: &DataPipeline, job: &Job) -> Result<Inde
         .indexed()
         .map(|d| d.index.to_string())
         .unwrap_or_default();
-    let live = ctx.children().and_then(|c| ChildStores::live(&c.jobs, job));
-    let finished = live.as_deref().and_then(finished);
-    let Some(succeeded) = finished else {
-        return Ok(IndexStatus {
+    let live = observed.jobs.iter().find(|j| j.name_any() == name);
+    let Some(succeeded) = live.and_then(finished) else {
+        return IndexStatus {
             job: name,
             phase: BUILDING.to_string(),
             location,
             ..IndexStatus::default()
-        });
+        };
     };
-    let namespace = dp.namespace().unwrap_or_default();
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
-    let listed = pods
-        .list(&ListParams::default().labels(&format!("{JOB_NAME_LABEL}={name}")))
-        .await
-        .map_err(|source| Error::Kube {
-            verb: "list",
-            kind: "Pod",
-            namespace: namespace.clone(),
-            name: format!("pods of Job {name}"),
-            source,
-        })?;
-    Ok(from_pods(name, location, succeeded, &listed.items))
+    let pods: Vec<Pod> = observed
+        .pods
+        .iter()
+        .filter(|p| p.labels().get(JOB_NAME_LABEL) == Some(&name))
+        .cloned()
+        .collect();
+    from_pods(name, location, succeeded, &pods)
 }
 
 /// `Some(true)` once the Job completed, `Some(false)` once it failed, `None` while it runs.
@@ -321,5 +292,38 @@ mod tests {
         assert_eq!(index.phase, READY_PHASE);
         assert_eq!(index.samples, None);
         assert!(index.message.expect("why").contains("without a summary"));
+    }
+
+    #[test]
+    fn the_status_is_read_from_the_desired_job_and_its_own_pods() {
+        let dp = dp();
+        let job = crate::build::index_job::index_job(&dp, &crate::build::BuildDefaults::default())
+            .expect("builds")
+            .expect("an index Job");
+        let name = job.name_any();
+        let labelled = |job: &str, phase: &str, message: &str| {
+            let mut p = pod(phase, message);
+            p.metadata.labels = Some([(JOB_NAME_LABEL.to_string(), job.to_string())].into());
+            p
+        };
+        let nothing = IndexObserved::default();
+        assert_eq!(status_of(&dp, &job, &nothing).phase, BUILDING);
+        let mut complete = job.clone();
+        complete.status = serde_json::from_value(serde_json::json!({
+            "conditions": [{"type": "Complete", "status": "True"}],
+        }))
+        .expect("status");
+        let observed = IndexObserved {
+            jobs: vec![complete],
+            pods: vec![
+                labelled("an-old-job", "Succeeded", r#"{"samples":1}"#),
+                labelled(&name, "Succeeded", r#"{"samples":7,"shards":1}"#),
+            ],
+        };
+        let index = status_of(&dp, &job, &observed);
+        assert_eq!(
+            (index.phase.as_str(), index.samples),
+            (READY_PHASE, Some(7))
+        );
     }
 }

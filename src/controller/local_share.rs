@@ -6,18 +6,36 @@
 //! sidecar watches through the Kubernetes API (its Role already reads pods): only who may patch
 //! the pod can change it, and nothing on the network can (the sidecar's port takes no writes).
 //! A pod is patched only when its annotation says otherwise; a pod without one decodes nothing
-//! locally.
+//! locally. Pure: [`plan`] is part of the desired state, the apply step patches.
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, Patch, PatchParams};
-use kube::{Client, ResourceExt};
+use kube::ResourceExt;
 use serde_json::json;
 
-use super::{FIELD_MANAGER, trainers};
+use super::trainers;
 use crate::api::ANNOTATION_LOCAL_SHARE;
 
 /// The share a sidecar decodes without an annotation (the webhook passes no `--local-share`).
 const STARTING_SHARE: f64 = 0.0;
+
+/// Trainer pods to tell a new share, and the merge patch that tells them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalShare {
+    pub share: f64,
+    pub pods: Vec<String>,
+}
+
+impl LocalShare {
+    pub fn patch(&self) -> serde_json::Value {
+        json!({ "metadata": { "annotations": { ANNOTATION_LOCAL_SHARE: annotation_value(self.share) } } })
+    }
+}
+
+/// The pods of `trainers` to tell `share`, `None` when every one already carries it.
+pub fn plan(trainers: &[Pod], share: f64) -> Option<LocalShare> {
+    let pods = pods_to_tell(trainers, share);
+    (!pods.is_empty()).then_some(LocalShare { share, pods })
+}
 
 /// The annotation's value for `share`: "0.25".
 fn annotation_value(share: f64) -> String {
@@ -39,29 +57,6 @@ fn pods_to_tell(trainers: &[Pod], share: f64) -> Vec<String> {
         })
         .map(ResourceExt::name_any)
         .collect()
-}
-
-/// Writes `share` on every injected trainer pod of `namespace` that does not carry it yet; a
-/// failed patch is retried at the next decision.
-pub async fn tell(client: &Client, namespace: &str, trainers: &[Pod], share: f64) {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    let value = annotation_value(share);
-    let patch =
-        Patch::Merge(json!({ "metadata": { "annotations": { ANNOTATION_LOCAL_SHARE: value } } }));
-    let params = PatchParams {
-        field_manager: Some(FIELD_MANAGER.to_string()),
-        ..PatchParams::default()
-    };
-    let names = pods_to_tell(trainers, share);
-    let patches = names.iter().map(|name| pods.patch(name, &params, &patch));
-    let results = futures::future::join_all(patches).await;
-    for (name, result) in names.iter().zip(results) {
-        match result {
-            Ok(_) => tracing::info!(pod = %name, %namespace, share, "local decode share set"),
-            Err(e) => tracing::warn!(pod = %name, %namespace, share, error = %e,
-                "local decode share not set; retried at the next decision"),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -102,6 +97,7 @@ mod tests {
             ["told", "stale", "garbled"],
             "a pod without the annotation already decodes nothing locally"
         );
+        assert_eq!(plan(&pods[1..2], 0.25), None, "nothing to tell");
     }
 
     #[test]

@@ -2,14 +2,14 @@
 //! pipeline through [`reconcile::reconcile`].
 
 pub mod apply;
-pub mod autoscaling;
-pub mod certs;
+
 pub mod desired;
 mod error;
 pub mod expectations;
 pub mod fleet;
 pub mod index;
 pub mod local_share;
+pub mod observe;
 pub mod reconcile;
 pub mod retry;
 pub mod status;
@@ -36,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER, ROLE_TRAINER};
 use crate::build::BuildDefaults;
+use crate::build::index_job::LABEL_INDEX_OF;
 use crate::telemetry::Metrics;
 
 /// The one field manager for everything the operator writes.
@@ -56,7 +57,7 @@ pub struct Context {
     /// How often a settled pipeline is looked at again.
     pub resync: Duration,
     /// `None`: no autoscaling; pipelines in `auto` mode run `decoders.minReplicas`.
-    pub autoscaler: Option<autoscaling::AutoscalerHandle>,
+    pub autoscaler: Option<crate::signal_source::AutoscalerHandle>,
     /// What the installation's CA Secret belongs to (see [`crate::installation`]).
     pub owner: Option<OwnerReference>,
     /// The running controller's caches of the children; `None` outside [`run`].
@@ -86,6 +87,10 @@ pub struct ChildStores {
     pub role_bindings: Store<RoleBinding>,
     pub service_accounts: Store<ServiceAccount>,
     pub jobs: Store<Job>,
+    /// The index Jobs' pods (label `stoker.dev/index-of`): their termination messages.
+    pub index_pods: Store<Pod>,
+    /// The sidecars' `SourceUnavailable` Events on pipelines.
+    pub outage_events: Store<CoreEvent>,
 }
 
 impl ChildStores {
@@ -97,15 +102,33 @@ impl ChildStores {
         store.get(&ObjectRef::from_obj(obj))
     }
 
+    /// Whether `store` holds a complete first list.
+    pub fn ready<K>(store: &Store<K>) -> bool
+    where
+        K: kube::Resource<DynamicType = ()> + Clone + 'static,
+    {
+        use futures::FutureExt;
+        store
+            .wait_until_ready()
+            .now_or_never()
+            .is_some_and(|r| r.is_ok())
+    }
+
     /// Whether both pod caches hold a complete first list: until then a reconcile lists.
     pub fn pods_ready(&self) -> bool {
-        use futures::FutureExt;
-        let ready = |s: &Store<Pod>| {
-            s.wait_until_ready()
-                .now_or_never()
-                .is_some_and(|r| r.is_ok())
-        };
-        ready(&self.decoders) && ready(&self.trainers)
+        Self::ready(&self.decoders) && Self::ready(&self.trainers)
+    }
+
+    /// The cached objects an owner (by UID) owns.
+    pub fn owned<K>(store: &Store<K>, owner_uid: &str) -> Vec<K>
+    where
+        K: kube::Resource<DynamicType = ()> + Clone + 'static,
+    {
+        store
+            .state_filter(|o| owned_by(o, owner_uid))
+            .into_iter()
+            .map(Arc::unwrap_or_clone)
+            .collect()
     }
 
     /// One pipeline's cached pods.
@@ -119,6 +142,17 @@ impl ChildStores {
             .map(Arc::unwrap_or_clone)
             .collect()
     }
+}
+
+/// Whether `obj` names `owner_uid` among its owners.
+pub fn owned_by(obj: &impl Resource, owner_uid: &str) -> bool {
+    !owner_uid.is_empty()
+        && obj
+            .meta()
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.uid == owner_uid)
 }
 
 impl Context {
@@ -158,7 +192,10 @@ impl Context {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = stores;
     }
 
-    pub fn with_autoscaler(mut self, autoscaler: Option<autoscaling::AutoscalerHandle>) -> Self {
+    pub fn with_autoscaler(
+        mut self,
+        autoscaler: Option<crate::signal_source::AutoscalerHandle>,
+    ) -> Self {
         self.autoscaler = autoscaler;
         self
     }
@@ -173,7 +210,7 @@ impl Context {
 /// reconcile itself already put the failure in `Degraded` and an Event.
 fn error_policy(dp: Arc<DataPipeline>, error: &Error, ctx: Arc<Context>) -> Action {
     ctx.metrics.reconcile_error(error.category());
-    let key = reconcile::key_of(&dp);
+    let key = crate::api::PipelineKey::of(&dp);
     let delay = ctx
         .retries
         .failed(&key, dp.meta().generation, Instant::now());
@@ -239,9 +276,9 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         "involvedObject.kind=DataPipeline,reason={}",
         status::SOURCE_UNAVAILABLE
     ));
-    let outage_reports = watcher(scoped::<CoreEvent>(&client, ns), outage_events)
-        .default_backoff()
-        .touched_objects();
+    let (outage_events, outage_reports) = cached(scoped::<CoreEvent>(&client, ns), &outage_events);
+    let index_pods = watcher::Config::default().labels(LABEL_INDEX_OF);
+    let (index_pods, index_pod_changes) = cached(scoped::<Pod>(&client, ns), &index_pods);
     ctx.pod_writes.clear();
     ctx.set_children(Some(ChildStores {
         decoders,
@@ -252,6 +289,8 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         role_bindings,
         service_accounts,
         jobs,
+        index_pods,
+        outage_events,
     }));
     // A new snapshot of a pipeline's autoscaler signals: decide on it now.
     let signal_reads = match &ctx.autoscaler {
@@ -276,6 +315,12 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         let ns = pod.namespace()?;
         pod.labels()
             .get(LABEL_PIPELINE)
+            .map(|name| ObjectRef::<DataPipeline>::new(name).within(&ns))
+    })
+    .watches_stream(index_pod_changes, |pod: Pod| {
+        let ns = pod.namespace()?;
+        pod.labels()
+            .get(LABEL_INDEX_OF)
             .map(|name| ObjectRef::<DataPipeline>::new(name).within(&ns))
     })
     .watches_stream(outage_reports, |event: CoreEvent| {

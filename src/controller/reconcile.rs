@@ -1,36 +1,31 @@
-//! One reconcile, as a pipeline of named steps:
-//! observe (caches) → decide (the autoscaler) → validate (a failure stops here, with a
-//! condition) → [`desired`] (pure: every child as a typed value) → apply → report and status.
+//! One reconcile, as a pipeline of named steps. Only the first and the last two touch the
+//! API server:
+//!
+//! [`observe`] (reads: caches, two Secrets) → [`validate`] (a failure stops here, with a
+//! condition) → [`decide`] (the autoscaler, in memory) → [`desired`] (pure: every child and
+//! every write as a typed value) → [`apply`] (writes, prunes what left `Desired`) → status
+//! (pure, then written with its Events).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams};
+use kube::Resource;
+use kube::api::Api;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
-use kube::{Resource, ResourceExt};
 
-use super::desired::{DecoderChanges, Desired, Observed, Scale, desired};
-use super::status::SOURCE_UNAVAILABLE;
-use super::{
-    ChildStores, Context, Error, FIELD_MANAGER, apply, certs, fleet, index, status, trainers,
-    validate,
-};
+use super::desired::{DecoderChanges, Desired, Scale, desired};
+use super::observe::{Observed, SOURCE_OUTAGE_FRESH, observe};
+use super::{Context, Error, FIELD_MANAGER, apply, fleet, index, status, trainers, validate};
 use crate::api::v1alpha1::{AutoscalingMode, DataPipelineStatus};
-use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, ROLE_DECODER};
+use crate::api::{DataPipeline, PipelineKey};
 
-/// A pipeline's namespace and name: how expectations and the autoscaler key it.
-pub type PipelineKey = (String, String);
-
-/// The namespace and name of a pipeline (the namespace empty if it has none).
-pub fn key_of(dp: &DataPipeline) -> PipelineKey {
-    (dp.namespace().unwrap_or_default(), dp.name_any())
-}
+/// How soon a reconcile that found its reads stale looks again.
+const STALE_RETRY: Duration = Duration::from_millis(200);
 
 pub async fn reconcile(dp: Arc<DataPipeline>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let key = key_of(&dp);
+    let key = PipelineKey::of(&dp);
     if let Some(wait) = ctx.retries.wait(&key, dp.meta().generation, Instant::now()) {
         return Ok(Action::requeue(wait));
     }
@@ -39,6 +34,10 @@ pub async fn reconcile(dp: Arc<DataPipeline>, ctx: Arc<Context>) -> Result<Actio
     ctx.metrics.reconciled(started.elapsed().as_secs_f64());
     match &result {
         Ok(_) => ctx.retries.succeeded(&key),
+        Err(Error::Stale { kind, name, .. }) => {
+            tracing::debug!(pipeline = %key, %kind, %name, "read went stale; looking again");
+            return Ok(Action::requeue(STALE_RETRY));
+        }
         Err(error) => report_failure(&ctx, &dp, &key, error).await,
     }
     result
@@ -48,9 +47,9 @@ pub async fn reconcile(dp: Arc<DataPipeline>, ctx: Arc<Context>) -> Result<Actio
 /// the reason and its message, and a Warning Event with the same reason.
 async fn report_failure(ctx: &Context, dp: &DataPipeline, key: &PipelineKey, error: &Error) {
     let (reason, message) = (error.reason(), error.summary());
-    if !key.0.is_empty() {
+    if !key.namespace.is_empty() {
         let new_status = status::failed_status(dp, &reason, &message, Timestamp::now());
-        let api: Api<DataPipeline> = Api::namespaced(ctx.client.clone(), &key.0);
+        let api: Api<DataPipeline> = Api::namespaced(ctx.client.clone(), &key.namespace);
         if let Err(e) = status::write(&api, dp, &new_status, FIELD_MANAGER).await {
             tracing::debug!(error = %e, "failure not written to status");
         }
@@ -72,163 +71,87 @@ async fn report_failure(ctx: &Context, dp: &DataPipeline, key: &PipelineKey, err
 }
 
 async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Error> {
-    let name = dp.name_any();
-    let namespace = dp
-        .namespace()
-        .ok_or_else(|| Error::MissingNamespace(name.clone()))?;
-    let key: PipelineKey = (namespace, name);
+    let key = PipelineKey::of(dp);
+    if key.namespace.is_empty() {
+        return Err(Error::MissingNamespace(key.name));
+    }
     if dp.meta().deletion_timestamp.is_some() {
         forget(ctx, dp, &key);
         return Ok(Action::await_change());
     }
     let now = Timestamp::now();
-    let observed = observe(ctx, &key).await?;
-    let scale = decide(ctx, dp, &observed, now).await?;
+    let observed = observe(ctx, dp, &key, now).await?;
     let problems = validate::validate(&dp.spec, &ctx.defaults);
     if !problems.is_empty() {
-        let status = invalid_status(dp, &observed, &scale, problems, now);
-        write_status(ctx, dp, &key, &status).await?;
+        let status = invalid_status(dp, &observed, &in_effect(ctx, dp), problems, now);
+        write_status(ctx, dp, &key, &status, None).await?;
         return Ok(Action::requeue(ctx.resync));
     }
-    let desired =
-        desired(dp, &observed, &scale, &ctx.defaults, now).map_err(|source| Error::LoaderArgs {
-            name: key.1.clone(),
-            source,
-        })?;
-    // Before the decoders that mount it: a pod whose Secret is missing waits for it.
-    certs::ensure_pipeline_secret(&ctx.client, dp, ctx.owner.as_ref()).await?;
+    let scale = decide(ctx, dp, &observed, now);
+    let desired = desired(
+        dp,
+        &observed,
+        &scale,
+        &ctx.defaults,
+        ctx.owner.as_ref(),
+        now,
+    )?;
     apply::apply_desired(ctx, &key, &desired, now).await?;
-    report(ctx, dp, &key, &desired.decoders, &scale).await;
-    let mut status = settled_status(dp, &observed, &desired, &scale, now);
-    if let Some(job) = &desired.index_job {
-        let observed_index = index::observe(ctx, dp, job).await?;
-        index::report(dp, &mut status, observed_index, now);
-    }
-    autoscaler_degraded(ctx, dp, &mut status, now).await;
-    write_status(ctx, dp, &key, &status).await?;
+    report(ctx, dp, &key, &desired, &scale).await;
+    let (status, raised) = settled_status(dp, &observed, &desired, &scale, now);
+    write_status(ctx, dp, &key, &status, raised).await?;
     Ok(next_look(ctx, dp, &observed, &desired))
 }
 
 /// A deleted pipeline: its children go with it through their owner references.
-fn forget(ctx: &Context, dp: &DataPipeline, (namespace, name): &PipelineKey) {
-    ctx.metrics.forget_pipeline(namespace, name);
+fn forget(ctx: &Context, dp: &DataPipeline, key: &PipelineKey) {
+    ctx.metrics.forget_pipeline(&key.namespace, &key.name);
     if let Some(autoscaler) = &ctx.autoscaler {
         autoscaler.forget(dp);
     }
 }
 
-/// The pipeline's pods from the controller's caches, with its own recent writes laid over them
-/// (see [`super::expectations`]); listed from the API server while the caches fill.
-async fn observe(ctx: &Context, key: &PipelineKey) -> Result<Observed, Error> {
-    let (namespace, name) = key;
-    let source_outage = source_outage(ctx, key).await;
-    if let Some(cached) = ctx.children().filter(ChildStores::pods_ready) {
-        let decoders = ChildStores::pods_of(&cached.decoders, namespace, name);
-        return Ok(Observed {
-            decoders: ctx.pod_writes.overlay(key, decoders),
-            trainers: ChildStores::pods_of(&cached.trainers, namespace, name),
-            source_outage,
-        });
-    }
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
-    let list = pods
-        .list(&ListParams::default().labels(&format!("{LABEL_PIPELINE}={name}")))
-        .await
-        .map_err(|source| Error::Kube {
-            verb: "list",
-            kind: "Pod",
-            namespace: namespace.clone(),
-            name: name.clone(),
-            source,
-        })?;
-    let (decoders, trainers) = list
-        .items
-        .into_iter()
-        .partition(|p| p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_DECODER));
-    Ok(Observed {
-        decoders: ctx.pod_writes.overlay(key, decoders),
-        trainers,
-        source_outage,
-    })
-}
-
-/// How long after a sidecar's last `SourceUnavailable` Event the outage counts as current: the
-/// sidecars repeat it each minute while delivery stays stopped.
-const SOURCE_OUTAGE_FRESH: Duration = Duration::from_secs(180);
-
-/// The note of the newest `SourceUnavailable` Event a sidecar recorded on the pipeline, if it
-/// is recent. A failed read leaves the condition as it was told last time, rather than fail the
-/// reconcile over a report.
-async fn source_outage(ctx: &Context, (namespace, name): &PipelineKey) -> Option<String> {
-    let events: Api<CoreEvent> = Api::namespaced(ctx.client.clone(), namespace);
-    let fields = format!(
-        "involvedObject.kind=DataPipeline,involvedObject.name={name},reason={SOURCE_UNAVAILABLE}"
-    );
-    let list = match events.list(&ListParams::default().fields(&fields)).await {
-        Ok(list) => list,
-        Err(err) => {
-            tracing::debug!(%err, pipeline = %name, "reading SourceUnavailable events");
-            return None;
-        }
-    };
-    let fresh_after = Timestamp::now() - SOURCE_OUTAGE_FRESH;
-    list.items
-        .into_iter()
-        .filter_map(|e| Some((last_seen(&e)?, e.message.unwrap_or_default())))
-        .filter(|(seen, _)| *seen > fresh_after)
-        .max_by_key(|(seen, _)| *seen)
-        .map(|(_, note)| note)
-}
-
-/// When an Event was last observed: its series' last time, else when it was recorded.
-fn last_seen(e: &CoreEvent) -> Option<Timestamp> {
-    let series = e
-        .series
-        .as_ref()
-        .and_then(|s| s.last_observed_time.as_ref());
-    series
-        .or(e.event_time.as_ref())
-        .map(|t| t.0)
-        .or_else(|| e.last_timestamp.as_ref().map(|t| t.0))
-}
-
-/// The autoscaler's part: a decision once per period (between them the count in effect
-/// stands), and where new decoders must not go.
-async fn decide(
-    ctx: &Context,
-    dp: &DataPipeline,
-    observed: &Observed,
-    now: Timestamp,
-) -> Result<Scale, Error> {
+/// The count in effect and where new decoders must not go, without a new decision.
+fn in_effect(ctx: &Context, dp: &DataPipeline) -> Scale {
     let Some(autoscaler) = &ctx.autoscaler else {
-        return Ok(Scale::default());
+        return Scale::default();
     };
-    let decision = match dp.spec.autoscaling.mode {
-        AutoscalingMode::Off => None,
-        _ => autoscaler.decide(&ctx.client, dp, observed, now).await,
-    };
-    Ok(Scale {
-        decision,
+    Scale {
+        decision: None,
         in_effect: dp
             .status
             .as_ref()
             .map(|s| u32::try_from(s.decoders.desired).unwrap_or(0)),
         avoid_nodes: autoscaler.avoid_nodes(dp),
-    })
+    }
+}
+
+/// The autoscaler's part: a decision when the observe step found one due (between them the
+/// count in effect stands), and where new decoders must not go. In memory only.
+fn decide(ctx: &Context, dp: &DataPipeline, observed: &Observed, now: Timestamp) -> Scale {
+    let Some(autoscaler) = &ctx.autoscaler else {
+        return Scale::default();
+    };
+    let decision = observed
+        .autoscale
+        .as_ref()
+        .map(|input| autoscaler.decide(dp, input, now));
+    Scale {
+        decision,
+        ..in_effect(ctx, dp)
+    }
 }
 
 /// An autoscaler that could not decide (its node list failed) shows as `Degraded` unless the
-/// reconcile found a problem of its own, with a Warning Event when it starts; the rest of the
-/// reconcile went on without a decision.
-async fn autoscaler_degraded(
-    ctx: &Context,
+/// reconcile found a problem of its own; the rest of the reconcile went on without a decision.
+/// Returns the degradation when it is new (it gets a Warning Event).
+fn autoscaler_degraded(
     dp: &DataPipeline,
+    observed: &Observed,
     new_status: &mut DataPipelineStatus,
     now: Timestamp,
-) {
-    let Some(d) = ctx.autoscaler.as_ref().and_then(|a| a.degraded(dp)) else {
-        return;
-    };
+) -> Option<(&'static str, String)> {
+    let d = observed.autoscaler_degraded.as_ref()?;
     let degraded = |s: &DataPipelineStatus| {
         s.conditions
             .iter()
@@ -236,7 +159,7 @@ async fn autoscaler_degraded(
             .map(|c| (c.status.clone(), c.reason.clone()))
     };
     if degraded(new_status).is_some_and(|(s, _)| s == "True") {
-        return;
+        return None;
     }
     let was = dp.status.as_ref().and_then(degraded);
     status::set_condition(
@@ -248,16 +171,8 @@ async fn autoscaler_degraded(
         dp.meta().generation,
         now,
     );
-    if was.is_none_or(|(_, reason)| reason != d.reason) {
-        publish(
-            ctx,
-            &dp.object_ref(&()),
-            d.reason,
-            &d.message,
-            EventType::Warning,
-        )
-        .await;
-    }
+    was.is_none_or(|(_, reason)| reason != d.reason)
+        .then(|| (d.reason, d.message.clone()))
 }
 
 /// The status of a pipeline that cannot run as written: nothing is applied.
@@ -281,14 +196,15 @@ fn invalid_status(
     status::desired_status(dp, obs, now)
 }
 
-/// The status once this reconcile's changes settle: drained decoders no longer serve.
+/// The status once this reconcile's changes settle (drained decoders no longer serve), with
+/// the autoscaler's degradation when it is new.
 fn settled_status(
     dp: &DataPipeline,
     observed: &Observed,
     desired: &Desired,
     scale: &Scale,
     now: Timestamp,
-) -> DataPipelineStatus {
+) -> (DataPipelineStatus, Option<(&'static str, String)>) {
     let changes = &desired.decoders;
     let mut fleet_status = fleet::fleet_status(&observed.decoders, count_i32(changes.replicas));
     let drained = i32::try_from(changes.drain.len()).unwrap_or(0);
@@ -303,7 +219,13 @@ fn settled_status(
         scale_reason: changes.reason.clone(),
         autoscale: scale.decision.as_ref(),
     };
-    status::desired_status(dp, obs, now)
+    let mut status = status::desired_status(dp, obs, now);
+    if let Some(job) = &desired.index_job {
+        let index = index::status_of(dp, job, &observed.index);
+        index::report(dp, &mut status, index, now);
+    }
+    let raised = autoscaler_degraded(dp, observed, &mut status, now);
+    (status, raised)
 }
 
 fn count_i32(n: u32) -> i32 {
@@ -314,11 +236,15 @@ fn count_i32(n: u32) -> i32 {
 async fn report(
     ctx: &Context,
     dp: &DataPipeline,
-    (namespace, name): &PipelineKey,
-    changes: &DecoderChanges,
+    PipelineKey { namespace, name }: &PipelineKey,
+    desired: &Desired,
     scale: &Scale,
 ) {
+    let changes: &DecoderChanges = &desired.decoders;
     let reference = dp.object_ref(&());
+    if let Some(reason) = desired.certs.reason {
+        tracing::info!(pipeline = %name, %namespace, reason, "issued the pipeline's certificate");
+    }
     if changes.any() {
         tracing::info!(
             pipeline = %name,
@@ -353,12 +279,14 @@ async fn report(
     }
 }
 
-/// Writes the status, exports the fleet's gauges, and announces a change of readiness.
+/// Writes the status, exports the fleet's gauges, and announces a change of readiness and a
+/// newly `raised` degradation.
 async fn write_status(
     ctx: &Context,
     dp: &DataPipeline,
-    (namespace, name): &PipelineKey,
+    PipelineKey { namespace, name }: &PipelineKey,
     new_status: &DataPipelineStatus,
+    raised: Option<(&'static str, String)>,
 ) -> Result<(), Error> {
     let fleet = &new_status.decoders;
     ctx.metrics
@@ -367,6 +295,16 @@ async fn write_status(
     let is_ready = ready_status(Some(new_status));
     let api: Api<DataPipeline> = Api::namespaced(ctx.client.clone(), namespace);
     status::write(&api, dp, new_status, FIELD_MANAGER).await?;
+    if let Some((reason, message)) = raised {
+        publish(
+            ctx,
+            &dp.object_ref(&()),
+            reason,
+            &message,
+            EventType::Warning,
+        )
+        .await;
+    }
     if was_ready != is_ready {
         let (reason, kind) = if is_ready.as_deref() == Some("True") {
             ("Ready", EventType::Normal)

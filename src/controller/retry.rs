@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::reconcile::PipelineKey;
+use crate::api::PipelineKey;
 
 /// The wait after the first failure.
 pub const FIRST_RETRY: Duration = Duration::from_secs(5);
@@ -85,7 +85,7 @@ mod tests {
     use super::*;
 
     fn key(name: &str) -> PipelineKey {
-        ("ns".into(), name.into())
+        PipelineKey::new("ns", name)
     }
 
     #[test]

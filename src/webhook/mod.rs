@@ -226,7 +226,9 @@ async fn load_certificate(
         }
         TlsSource::SelfManaged(cfg) => {
             let issued = tls::ensure_secret(client, cfg, owner).await?;
-            if tls::patch_ca_bundle(client, &cfg.webhook_configuration, &issued.ca_pem).await? {
+            if tls::patch_ca_bundle(client, &cfg.webhook_configuration, &issued.trust_bundle)
+                .await?
+            {
                 tracing::info!(webhook = %cfg.webhook_configuration, "caBundle updated");
             }
             Ok((issued.cert_pem.into_bytes(), issued.key_pem.into_bytes()))

@@ -1,6 +1,6 @@
 //! Signals read off the reconcile path. One background task per pipeline reads its [`Signals`]
 //! from Prometheus, and the nodes' link speeds from the API server, once per decision period
-//! and keeps the latest [`Snapshot`]; a reconcile only looks at it. A slow Prometheus (every
+//! and keeps the latest [`SignalRead`]; a reconcile only looks at it. A slow Prometheus (every
 //! query may take its whole timeout, 10 s and more on a loaded server) therefore delays
 //! decisions, never reconciles: a snapshot that is missing, already decided on or stale means
 //! "no decision this time".
@@ -19,13 +19,11 @@ use kube::Client;
 use kube::api::{Api, ListParams};
 use tokio::sync::mpsc;
 
-use super::metrics::AutoscalerMetrics;
-use super::prometheus::{PrometheusSignals, SignalScope};
-use super::signals::Signals;
-use super::{ANNOTATION_NIC_GBPS, signals};
-
-/// A pipeline's `(namespace, name)`.
-pub type PipelineRef = (String, String);
+use super::prometheus::PrometheusSignals;
+use crate::api::PipelineKey;
+use crate::autoscale::ANNOTATION_NIC_GBPS;
+use crate::autoscale::metrics::AutoscalerMetrics;
+use crate::autoscale::signals::{self, SignalScope, Signals};
 
 /// Why a read failed: the error's category (the metrics label) and its message.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,7 +34,7 @@ pub struct ReadFailure {
 
 /// One background read of a pipeline's inputs.
 #[derive(Clone, Debug)]
-pub struct Snapshot {
+pub struct SignalRead {
     /// `Err`: Prometheus could not be read; the decision keeps the size (`MetricsUnavailable`).
     pub signals: Result<Signals, ReadFailure>,
     /// Link speeds (bytes per second) of the nodes annotated with one; `Err`: the node list
@@ -52,7 +50,7 @@ pub struct Snapshot {
 #[derive(Clone, Debug)]
 pub enum Latest {
     /// A snapshot not decided on yet and younger than the stale limit.
-    Fresh(Arc<Snapshot>),
+    Fresh(Arc<SignalRead>),
     /// No read has finished since the last decision (or ever): nothing to decide on.
     Pending,
     /// The newest snapshot is older than the stale limit (its age): nothing to decide on.
@@ -62,7 +60,7 @@ pub enum Latest {
 struct Entry {
     scope: SignalScope,
     asked_at: Instant,
-    latest: Option<Arc<Snapshot>>,
+    latest: Option<Arc<SignalRead>>,
     /// The sequence of the last snapshot a decision used.
     decided: u64,
     refreshing: bool,
@@ -77,9 +75,9 @@ struct Shared {
     /// Bound on the node list, as on each Prometheus query.
     timeout: Duration,
     metrics: AutoscalerMetrics,
-    entries: Mutex<BTreeMap<PipelineRef, Entry>>,
+    entries: Mutex<BTreeMap<PipelineKey, Entry>>,
     node_links: Mutex<NodeLinks>,
-    triggers: Mutex<Option<mpsc::UnboundedSender<PipelineRef>>>,
+    triggers: Mutex<Option<mpsc::UnboundedSender<PipelineKey>>>,
 }
 
 /// The latest signals of every pipeline, refreshed in the background.
@@ -124,7 +122,7 @@ impl SignalCache {
 
     /// The pipelines whose new snapshot awaits a decision; a new subscription replaces the
     /// previous one (a controller run after a regained Lease).
-    pub fn subscribe(&self) -> mpsc::UnboundedReceiver<PipelineRef> {
+    pub fn subscribe(&self) -> mpsc::UnboundedReceiver<PipelineKey> {
         let (tx, rx) = mpsc::unbounded_channel();
         *lock(&self.shared.triggers) = Some(tx);
         rx
@@ -132,7 +130,7 @@ impl SignalCache {
 
     /// Asks for `pipeline`'s signals over `scope` from now on, starting its refresher when none
     /// runs. Returns at once; the first read lands in the cache later.
-    pub fn ask(&self, pipeline: &PipelineRef, scope: SignalScope, client: &Client) {
+    pub fn ask(&self, pipeline: &PipelineKey, scope: SignalScope, client: &Client) {
         let now = Instant::now();
         let start = {
             let mut entries = lock(&self.shared.entries);
@@ -157,7 +155,7 @@ impl SignalCache {
 
     /// The newest snapshot of `pipeline` if it is fresh and no decision used it yet; taking it
     /// marks it decided on.
-    pub fn take(&self, pipeline: &PipelineRef, now: Instant) -> Latest {
+    pub fn take(&self, pipeline: &PipelineKey, now: Instant) -> Latest {
         let mut entries = lock(&self.shared.entries);
         let Some(entry) = entries.get_mut(pipeline) else {
             return Latest::Pending;
@@ -167,12 +165,12 @@ impl SignalCache {
     }
 
     /// Stops remembering `pipeline`; its refresher ends at its next turn.
-    pub fn forget(&self, pipeline: &PipelineRef) {
+    pub fn forget(&self, pipeline: &PipelineKey) {
         lock(&self.shared.entries).remove(pipeline);
     }
 
     /// The refresher of one pipeline: read, store, announce, wait a period; until nobody asks.
-    async fn refresh(self, pipeline: PipelineRef, client: Client) {
+    async fn refresh(self, pipeline: PipelineKey, client: Client) {
         let shared = &self.shared;
         let mut sequence = 0;
         loop {
@@ -192,7 +190,7 @@ impl SignalCache {
                 self.node_links(&client)
             );
             sequence += 1;
-            let snapshot = Arc::new(Snapshot {
+            let snapshot = Arc::new(SignalRead {
                 signals,
                 node_links,
                 read_at: Instant::now(),
@@ -211,18 +209,18 @@ impl SignalCache {
 
     async fn read_signals(
         &self,
-        (namespace, name): &PipelineRef,
+        pipeline: &PipelineKey,
         scope: &SignalScope,
     ) -> Result<Signals, ReadFailure> {
         let started = Instant::now();
         let result = self.shared.reader.read(scope).await;
         match result {
             Ok(signals) => {
-                tracing::debug!(pipeline = %name, %namespace, took = ?started.elapsed(), "autoscaler signals read");
+                tracing::debug!(%pipeline, took = ?started.elapsed(), "autoscaler signals read");
                 Ok(signals)
             }
             Err(e) => {
-                tracing::warn!(pipeline = %name, %namespace, error = %e, category = e.category(),
+                tracing::warn!(%pipeline, error = %e, category = e.category(),
                     took = ?started.elapsed(), "autoscaler signals unavailable");
                 self.shared.metrics.signal_error(e.category());
                 Err(ReadFailure {
@@ -323,7 +321,7 @@ mod tests {
             },
             asked_at: Instant::now(),
             latest: latest.map(|(sequence, read_at)| {
-                Arc::new(Snapshot {
+                Arc::new(SignalRead {
                     signals: Ok(Signals::default()),
                     node_links: Ok(BTreeMap::new()),
                     read_at,

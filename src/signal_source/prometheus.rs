@@ -20,7 +20,9 @@ use std::time::Duration;
 use prometheus_http_query::Client;
 use prometheus_http_query::response::Data;
 
-use super::signals::{DecoderSignal, NodeNetwork, Signals, gating_data_wait};
+use crate::autoscale::signals::{
+    DecoderSignal, NodeNetwork, SignalScope, Signals, gating_data_wait,
+};
 
 /// The PromQL the autoscaler sends. Defaults match the loader's metric names
 /// (`loader/src/metrics.rs`, `loader/src/sidecar/metrics.rs`), node-exporter and dcgm-exporter.
@@ -98,17 +100,6 @@ impl Default for QueryTemplates {
             node_label: "node".to_string(),
         }
     }
-}
-
-/// What to read: one pipeline over one window.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SignalScope {
-    pub namespace: String,
-    pub pipeline: String,
-    pub trainer_pods: Vec<String>,
-    /// Nodes running the pipeline's decoders or trainers.
-    pub nodes: Vec<String>,
-    pub window: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
