@@ -5,9 +5,10 @@ mod operator_support;
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Pod, Secret, Service};
+use k8s_openapi::api::core::v1::{Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use operator_support::*;
@@ -747,5 +748,71 @@ async fn a_web_dataset_pipeline_builds_its_index_with_one_job() {
         || async { index_ready().await.filter(|i| i.job == rebuilt.name_any()) },
     )
     .await;
+    // The replaced Job left the desired state: it is pruned, the new one stays.
+    let names = || async {
+        let jobs = index_jobs().await;
+        let live = jobs
+            .iter()
+            .filter(|j| j.metadata.deletion_timestamp.is_none());
+        live.map(|j| j.name_any()).collect::<Vec<_>>()
+    };
+    eventually(
+        "the replaced index Job pruned",
+        Duration::from_secs(30),
+        || async { (names().await == [rebuilt.name_any()]).then_some(()) },
+    )
+    .await;
+
+    // A source without an index and decoders under the team's own ServiceAccount: the index
+    // Job and the operator's decoder ServiceAccount leave the desired state and are pruned;
+    // the sidecar's ServiceAccount and the team's stay.
+    let accounts: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
+    let own = ServiceAccount {
+        metadata: ObjectMeta {
+            name: Some("own-decoders".into()),
+            ..ObjectMeta::default()
+        },
+        ..ServiceAccount::default()
+    };
+    accounts
+        .create(&PostParams::default(), &own)
+        .await
+        .expect("the team's ServiceAccount");
+    let operators = stoker_operator::build::sidecar_rbac::decoder_service_account(&dp);
+    assert!(accounts.get_opt(&operators).await.expect("get").is_some());
+    dps.patch(
+        "shards",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {
+            "source": {"webDataset": null},
+            "decoders": {"serviceAccountName": "own-decoders"},
+        }})),
+    )
+    .await
+    .expect("drop the index, name an own ServiceAccount");
+    eventually("no index Job", Duration::from_secs(30), || async {
+        names().await.is_empty().then_some(())
+    })
+    .await;
+    eventually(
+        "the decoder ServiceAccount pruned",
+        Duration::from_secs(30),
+        || async {
+            let gone = accounts.get_opt(&operators).await.expect("get").is_none();
+            gone.then_some(())
+        },
+    )
+    .await;
+    let left: Vec<String> = accounts
+        .list(&Default::default())
+        .await
+        .expect("list")
+        .items
+        .iter()
+        .map(|a| a.name_any())
+        .collect();
+    assert!(left.contains(&"own-decoders".to_string()), "{left:?}");
+    let sidecar = stoker_operator::build::sidecar_rbac::sidecar_service_account_name("shards");
+    assert!(left.contains(&sidecar), "the sidecar's stays: {left:?}");
     op.stop().await;
 }

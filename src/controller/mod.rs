@@ -11,6 +11,7 @@ pub mod index;
 pub mod local_share;
 pub mod observe;
 pub mod reconcile;
+pub mod report;
 pub mod retry;
 pub mod status;
 pub mod trainers;

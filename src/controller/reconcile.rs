@@ -1,23 +1,21 @@
-//! One reconcile, as a pipeline of named steps. Only the first and the last two touch the
+//! One reconcile, as a pipeline of named steps. Only observe, apply and report touch the
 //! API server:
 //!
 //! [`observe`] (reads: caches, two Secrets) → [`validate`] (a failure stops here, with a
 //! condition) → [`decide`] (the autoscaler, in memory) → [`desired`] (pure: every child and
 //! every write as a typed value) → [`apply`] (writes, prunes what left `Desired`) → status
-//! (pure, then written with its Events).
+//! (pure) → [`report`] (the status written, Events on transitions).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
-use kube::api::Api;
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType, Recorder};
 
-use super::desired::{DecoderChanges, Desired, Scale, desired};
+use super::desired::{Desired, Scale, desired};
 use super::observe::{Observed, SOURCE_OUTAGE_FRESH, observe};
-use super::{Context, Error, FIELD_MANAGER, apply, fleet, index, status, trainers, validate};
+use super::{Context, Error, apply, fleet, index, report, status, trainers, validate};
 use crate::api::v1alpha1::{AutoscalingMode, DataPipelineStatus};
 use crate::api::{DataPipeline, PipelineKey};
 
@@ -38,36 +36,9 @@ pub async fn reconcile(dp: Arc<DataPipeline>, ctx: Arc<Context>) -> Result<Actio
             tracing::debug!(pipeline = %key, %kind, %name, "read went stale; looking again");
             return Ok(Action::requeue(STALE_RETRY));
         }
-        Err(error) => report_failure(&ctx, &dp, &key, error).await,
+        Err(error) => report::report_failure(&ctx, &dp, &key, error).await,
     }
     result
-}
-
-/// A failed reconcile shows where users look: `Degraded=True` with the error's category as
-/// the reason and its message, and a Warning Event with the same reason.
-async fn report_failure(ctx: &Context, dp: &DataPipeline, key: &PipelineKey, error: &Error) {
-    let (reason, message) = (error.reason(), error.summary());
-    if !key.namespace.is_empty() {
-        let new_status = status::failed_status(dp, &reason, &message, Timestamp::now());
-        let api: Api<DataPipeline> = Api::namespaced(ctx.client.clone(), &key.namespace);
-        if let Err(e) = status::write(&api, dp, &new_status, FIELD_MANAGER).await {
-            tracing::debug!(error = %e, "failure not written to status");
-        }
-    }
-    let event = Event {
-        type_: EventType::Warning,
-        reason,
-        note: Some(message.chars().take(1024).collect()),
-        action: "Reconcile".to_string(),
-        secondary: None,
-    };
-    if let Err(e) = ctx
-        .failure_events
-        .publish(&event, &dp.object_ref(&()))
-        .await
-    {
-        tracing::debug!(error = %e, "event not published");
-    }
 }
 
 async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Error> {
@@ -84,7 +55,7 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     let problems = validate::validate(&dp.spec, &ctx.defaults);
     if !problems.is_empty() {
         let status = invalid_status(dp, &observed, &in_effect(ctx, dp), problems, now);
-        write_status(ctx, dp, &key, &status, None).await?;
+        report::write_status(ctx, dp, &key, &status, None).await?;
         return Ok(Action::requeue(ctx.resync));
     }
     let scale = decide(ctx, dp, &observed, now);
@@ -97,9 +68,9 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
         now,
     )?;
     apply::apply_desired(ctx, &key, &desired, now).await?;
-    report(ctx, dp, &key, &desired, &scale).await;
+    report::changes(ctx, dp, &key, &desired, &scale).await;
     let (status, raised) = settled_status(dp, &observed, &desired, &scale, now);
-    write_status(ctx, dp, &key, &status, raised).await?;
+    report::write_status(ctx, dp, &key, &status, raised).await?;
     Ok(next_look(ctx, dp, &observed, &desired))
 }
 
@@ -232,96 +203,6 @@ fn count_i32(n: u32) -> i32 {
     i32::try_from(n).unwrap_or(i32::MAX)
 }
 
-/// Logs and Events for what this reconcile changed in the fleet and what the autoscaler said.
-async fn report(
-    ctx: &Context,
-    dp: &DataPipeline,
-    PipelineKey { namespace, name }: &PipelineKey,
-    desired: &Desired,
-    scale: &Scale,
-) {
-    let changes: &DecoderChanges = &desired.decoders;
-    let reference = dp.object_ref(&());
-    if let Some(reason) = desired.certs.reason {
-        tracing::info!(pipeline = %name, %namespace, reason, "issued the pipeline's certificate");
-    }
-    if changes.any() {
-        tracing::info!(
-            pipeline = %name,
-            %namespace,
-            desired = changes.replicas,
-            created = changes.create.len(),
-            draining = changes.drain.len(),
-            deleted = changes.delete.len(),
-            failed = changes.failed,
-            "decoder fleet changed"
-        );
-    }
-    if !changes.create.is_empty() || !changes.drain.is_empty() || changes.failed > 0 {
-        let note = format!(
-            "decoders: {} desired; created {}, draining {}, replaced {} failed",
-            changes.replicas,
-            changes.create.len(),
-            changes.drain.len(),
-            changes.failed
-        );
-        publish(ctx, &reference, "ScaledDecoders", &note, EventType::Normal).await;
-    }
-    if let Some(d) = scale.decision.as_ref().filter(|d| d.scales()) {
-        publish(
-            ctx,
-            &reference,
-            "AutoscalerDecision",
-            &d.reason,
-            EventType::Normal,
-        )
-        .await;
-    }
-}
-
-/// Writes the status, exports the fleet's gauges, and announces a change of readiness and a
-/// newly `raised` degradation.
-async fn write_status(
-    ctx: &Context,
-    dp: &DataPipeline,
-    PipelineKey { namespace, name }: &PipelineKey,
-    new_status: &DataPipelineStatus,
-    raised: Option<(&'static str, String)>,
-) -> Result<(), Error> {
-    let fleet = &new_status.decoders;
-    ctx.metrics
-        .fleet(namespace, name, fleet.desired, fleet.ready, fleet.draining);
-    let was_ready = ready_status(dp.status.as_ref());
-    let is_ready = ready_status(Some(new_status));
-    let api: Api<DataPipeline> = Api::namespaced(ctx.client.clone(), namespace);
-    status::write(&api, dp, new_status, FIELD_MANAGER).await?;
-    if let Some((reason, message)) = raised {
-        publish(
-            ctx,
-            &dp.object_ref(&()),
-            reason,
-            &message,
-            EventType::Warning,
-        )
-        .await;
-    }
-    if was_ready != is_ready {
-        let (reason, kind) = if is_ready.as_deref() == Some("True") {
-            ("Ready", EventType::Normal)
-        } else {
-            ("NotReady", EventType::Warning)
-        };
-        let message = new_status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == status::READY)
-            .map(|c| c.message.clone())
-            .unwrap_or_default();
-        publish(ctx, &dp.object_ref(&()), reason, &message, kind).await;
-    }
-    Ok(())
-}
-
 /// An autoscaled pipeline is looked at again when its next decision is due, a draining fleet
 /// when its drain ends.
 fn next_look(ctx: &Context, dp: &DataPipeline, observed: &Observed, desired: &Desired) -> Action {
@@ -336,36 +217,5 @@ fn next_look(ctx: &Context, dp: &DataPipeline, observed: &Observed, desired: &De
     match desired.decoders.requeue_after {
         Some(after) => Action::requeue(after.max(Duration::from_millis(200)).min(next_look)),
         None => Action::requeue(next_look),
-    }
-}
-
-fn ready_status(status: Option<&DataPipelineStatus>) -> Option<String> {
-    status?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == status::READY)
-        .map(|c| c.status.clone())
-}
-
-async fn publish(
-    ctx: &Context,
-    reference: &k8s_openapi::api::core::v1::ObjectReference,
-    reason: &str,
-    note: &str,
-    type_: EventType,
-) {
-    let event = Event {
-        type_,
-        reason: reason.to_string(),
-        note: Some(note.chars().take(1024).collect()),
-        action: "Reconcile".to_string(),
-        secondary: None,
-    };
-    // A Recorder folds an Event into an earlier one with the same reason and object (an
-    // events.k8s.io series) and keeps the earlier note: "no trainers: 1 decoders" would stand
-    // for every later decision. Events come on transitions only, so each gets its own.
-    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
-    if let Err(e) = recorder.publish(&event, reference).await {
-        tracing::debug!(error = %e, "event not published");
     }
 }

@@ -1,12 +1,10 @@
-//! Status: computed purely from what was observed, written only when it changed.
+//! Status: computed purely from what was observed ([`super::report`] writes it, only when it
+//! changed).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams};
-use kube::{Resource, ResourceExt};
-use serde_json::json;
+use kube::Resource;
 
-use super::Error;
 use crate::api::DataPipeline;
 use crate::api::v1alpha1::{
     AutoscalingMode, DataPipelineStatus, DecoderFleetStatus, ScaleRecord, TrainerStatus,
@@ -221,42 +219,6 @@ pub fn failed_status(
         now,
     );
     status
-}
-
-/// Writes the status through the status subresource when it differs from what is stored.
-pub async fn write(
-    api: &Api<DataPipeline>,
-    dp: &DataPipeline,
-    status: &DataPipelineStatus,
-    field_manager: &str,
-) -> Result<bool, Error> {
-    if dp.status.as_ref() == Some(status) {
-        return Ok(false);
-    }
-    let body = json!({
-        "apiVersion": "stoker.dev/v1alpha1",
-        "kind": "DataPipeline",
-        "status": status,
-    });
-    match api
-        .patch_status(
-            &dp.name_any(),
-            &PatchParams::apply(field_manager).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-    {
-        Ok(_) => Ok(true),
-        // Deleted while this reconcile ran: nothing left to report on.
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
-        Err(source) => Err(Error::Kube {
-            verb: "patch status of",
-            kind: "DataPipeline",
-            namespace: dp.namespace().unwrap_or_default(),
-            name: dp.name_any(),
-            source,
-        }),
-    }
 }
 
 #[cfg(test)]
