@@ -79,6 +79,15 @@ def functions(path):
     return found
 
 
+def non_test_lines(path):
+    """Lines of a Rust file before its test module (`#[cfg(test)]`)."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() == "#[cfg(test)]":
+            return i
+    return len(lines)
+
+
 def rust_files(top):
     return sorted(p for p in (ROOT / top).rglob("*.rs"))
 
@@ -147,6 +156,7 @@ def main():
         long = sorted((f for f in fns if f[1] > LONG), key=lambda f: -f[1])
         report[top] = {
             "lines": sum(len(p.read_text().splitlines()) for p in files),
+            "lines_outside_tests": sum(non_test_lines(p) for p in files),
             "functions": len(fns),
             f"over_{LONG}_lines": [f"{name} ({n})" for name, n in long],
             "longest": max(fns, key=lambda f: f[1], default=("", 0)),

@@ -219,46 +219,58 @@ fn error_policy(dp: Arc<DataPipeline>, error: &Error, ctx: Arc<Context>) -> Acti
     Action::requeue(delay)
 }
 
+/// Objects of one kind, in `ns` or every namespace.
+fn scoped<K>(client: &Client, ns: Option<&str>) -> Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+{
+    match ns {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// A cache of one kind for the reconcile, and its changes as triggers.
+fn cached<K>(
+    api: Api<K>,
+    config: &watcher::Config,
+) -> (
+    Store<K>,
+    impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
+    // managedFields are much of an object's bytes and nothing here reads them.
+    let stream = watcher(api, config.clone())
+        .default_backoff()
+        .modify(|o| o.managed_fields_mut().clear())
+        .reflect(writer)
+        .touched_objects();
+    (store, stream)
+}
+
+/// The pipeline a pod names in its `label`: what a change of the pod reconciles.
+fn pipeline_in(label: &'static str) -> impl Fn(Pod) -> Option<ObjectRef<DataPipeline>> {
+    move |pod: Pod| {
+        let ns = pod.namespace()?;
+        let name = pod.labels().get(label)?;
+        Some(ObjectRef::<DataPipeline>::new(name).within(&ns))
+    }
+}
+
 /// Runs the controller until `shutdown`; `namespace` limits it to one namespace.
 pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: CancellationToken) {
     let client = ctx.client.clone();
-    fn scoped<K>(client: &Client, ns: Option<&str>) -> Api<K>
-    where
-        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
-    {
-        match ns {
-            Some(ns) => Api::namespaced(client.clone(), ns),
-            None => Api::all(client.clone()),
-        }
-    }
     let ns = namespace.as_deref();
     let managed = watcher::Config::default().labels("app.kubernetes.io/managed-by=stoker-operator");
-    // Each child kind: a cache for the reconcile, and its changes as triggers.
-    fn cached<K>(
-        api: Api<K>,
-        config: &watcher::Config,
-    ) -> (
-        Store<K>,
-        impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
-    )
-    where
-        K: kube::Resource<DynamicType = ()>
-            + Clone
-            + std::fmt::Debug
-            + serde::de::DeserializeOwned
-            + Send
-            + Sync
-            + 'static,
-    {
-        let (store, writer) = reflector::store();
-        // managedFields are much of an object's bytes and nothing here reads them.
-        let stream = watcher(api, config.clone())
-            .default_backoff()
-            .modify(|o| o.managed_fields_mut().clear())
-            .reflect(writer)
-            .touched_objects();
-        (store, stream)
-    }
     let decoder_pods = watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_DECODER}"));
     let trainer_pods = watcher::Config::default().labels(&format!("{LABEL_ROLE}={ROLE_TRAINER}"));
     let (decoders, decoder_changes) = cached(scoped::<Pod>(&client, ns), &decoder_pods);
@@ -312,18 +324,9 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     .owns_stream(service_account_changes)
     .owns_stream(job_changes)
     // Trainer pods are not owned, but their count and injection show in the status.
-    .watches_stream(trainer_changes, |pod: Pod| {
-        let ns = pod.namespace()?;
-        pod.labels()
-            .get(LABEL_PIPELINE)
-            .map(|name| ObjectRef::<DataPipeline>::new(name).within(&ns))
-    })
-    .watches_stream(index_pod_changes, |pod: Pod| {
-        let ns = pod.namespace()?;
-        pod.labels()
-            .get(LABEL_INDEX_OF)
-            .map(|name| ObjectRef::<DataPipeline>::new(name).within(&ns))
-    })
+    .watches_stream(trainer_changes, pipeline_in(LABEL_PIPELINE))
+    // An index pod's end (its summary) shows in the status.
+    .watches_stream(index_pod_changes, pipeline_in(LABEL_INDEX_OF))
     .watches_stream(outage_reports, |event: CoreEvent| {
         let about = event.involved_object;
         Some(ObjectRef::<DataPipeline>::new(&about.name?).within(&about.namespace?))

@@ -64,114 +64,82 @@ pub struct Observation<'a> {
     pub autoscale: Option<&'a crate::autoscale::ScaleDecision>,
 }
 
+/// A condition's status, reason and message.
+type Said = (&'static str, &'static str, String);
+
+/// `Ready`: the decoders are, or why not.
+fn ready(obs: &Observation) -> Said {
+    let fleet = &obs.fleet;
+    if !obs.problems.is_empty() {
+        ("False", "InvalidSpec", obs.problems.join("; "))
+    } else if fleet.ready >= fleet.desired {
+        let nodes = fleet.nodes;
+        let message = format!(
+            "{}/{} decoders ready on {nodes} nodes",
+            fleet.ready, fleet.desired
+        );
+        ("True", "DecodersReady", message)
+    } else {
+        let message = format!("{}/{} decoders ready", fleet.ready, fleet.desired);
+        ("False", "DecodersStarting", message)
+    }
+}
+
+/// `Degraded`: what went wrong that the operator saw.
+fn degraded(obs: &Observation) -> Said {
+    if !obs.problems.is_empty() {
+        ("True", "InvalidSpec", obs.problems.join("; "))
+    } else if obs.failed_replaced > 0 {
+        let message = format!("{} failed decoder pods were replaced", obs.failed_replaced);
+        ("True", "DecodersFailed", message)
+    } else {
+        ("False", "AsExpected", "no problems seen".to_string())
+    }
+}
+
+/// `SourceUnavailable`: what the sidecars report.
+fn source_unavailable(obs: &Observation) -> Said {
+    match &obs.source_outage {
+        Some(note) => ("True", "SidecarsReport", note.clone()),
+        None => {
+            let message = "no sidecar reports S3 refusing samples".to_string();
+            ("False", "Readable", message)
+        }
+    }
+}
+
 /// The status the pipeline should have now.
 pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> DataPipelineStatus {
     let previous = dp.status.clone().unwrap_or_default();
     let generation = dp.meta().generation;
     let mut conditions = previous.conditions.clone();
+    let mut set = |type_: &str, (status, reason, message): Said| {
+        set_condition(
+            &mut conditions,
+            type_,
+            status,
+            reason,
+            message,
+            generation,
+            now,
+        );
+    };
+    set(READY, ready(&obs));
+    set(DEGRADED, degraded(&obs));
+    set(SOURCE_UNAVAILABLE, source_unavailable(&obs));
+    for c in obs.autoscale.iter().flat_map(|d| d.condition_reports()) {
+        set_condition(
+            &mut conditions,
+            c.type_,
+            c.status,
+            c.reason,
+            c.message,
+            generation,
+            now,
+        );
+    }
+    unknown_autoscaler_conditions(dp, &mut conditions, now);
     let fleet = obs.fleet;
-
-    let (ready, reason, message) = if !obs.problems.is_empty() {
-        ("False", "InvalidSpec", obs.problems.join("; "))
-    } else if fleet.ready >= fleet.desired {
-        (
-            "True",
-            "DecodersReady",
-            format!(
-                "{}/{} decoders ready on {} nodes",
-                fleet.ready, fleet.desired, fleet.nodes
-            ),
-        )
-    } else {
-        (
-            "False",
-            "DecodersStarting",
-            format!("{}/{} decoders ready", fleet.ready, fleet.desired),
-        )
-    };
-    set_condition(
-        &mut conditions,
-        READY,
-        ready,
-        reason,
-        message,
-        generation,
-        now,
-    );
-
-    let (degraded, reason, message) = if !obs.problems.is_empty() {
-        ("True", "InvalidSpec", obs.problems.join("; "))
-    } else if obs.failed_replaced > 0 {
-        (
-            "True",
-            "DecodersFailed",
-            format!("{} failed decoder pods were replaced", obs.failed_replaced),
-        )
-    } else {
-        ("False", "AsExpected", "no problems seen".to_string())
-    };
-    set_condition(
-        &mut conditions,
-        DEGRADED,
-        degraded,
-        reason,
-        message,
-        generation,
-        now,
-    );
-
-    let (status, reason, message) = match &obs.source_outage {
-        Some(note) => ("True", "SidecarsReport", note.clone()),
-        None => (
-            "False",
-            "Readable",
-            "no sidecar reports S3 refusing samples".to_string(),
-        ),
-    };
-    set_condition(
-        &mut conditions,
-        SOURCE_UNAVAILABLE,
-        status,
-        reason,
-        message,
-        generation,
-        now,
-    );
-
-    if let Some(decision) = obs.autoscale {
-        for c in decision.condition_reports() {
-            set_condition(
-                &mut conditions,
-                c.type_,
-                c.status,
-                c.reason,
-                c.message,
-                generation,
-                now,
-            );
-        }
-    }
-    let (reason, message) = match dp.spec.autoscaling.mode {
-        AutoscalingMode::Off => ("AutoscalingFixed", "autoscaling.mode is fixed"),
-        _ => ("NoSignals", "the autoscaler has not read any signals yet"),
-    };
-    for t in AUTOSCALER_CONDITIONS {
-        // Keep what the autoscaler wrote; only fill in conditions nobody has set.
-        if !conditions.iter().any(|c| c.type_ == t)
-            || dp.spec.autoscaling.mode == AutoscalingMode::Off
-        {
-            set_condition(
-                &mut conditions,
-                t,
-                "Unknown",
-                reason,
-                message.to_string(),
-                generation,
-                now,
-            );
-        }
-    }
-
     let last_scale = match previous.last_scale.clone() {
         _ if previous.decoders.desired != fleet.desired && dp.status.is_some() => {
             Some(ScaleRecord {
@@ -219,6 +187,34 @@ pub fn failed_status(
         now,
     );
     status
+}
+
+/// The autoscaler's conditions nobody has set yet (all of them when it is off): `Unknown`.
+fn unknown_autoscaler_conditions(
+    dp: &DataPipeline,
+    conditions: &mut Vec<Condition>,
+    now: Timestamp,
+) {
+    let off = dp.spec.autoscaling.mode == AutoscalingMode::Off;
+    let (reason, message) = match off {
+        true => ("AutoscalingFixed", "autoscaling.mode is fixed"),
+        false => ("NoSignals", "the autoscaler has not read any signals yet"),
+    };
+    for t in AUTOSCALER_CONDITIONS {
+        // Keep what the autoscaler wrote; only fill in conditions nobody has set.
+        if off || !conditions.iter().any(|c| c.type_ == t) {
+            let generation = dp.meta().generation;
+            set_condition(
+                conditions,
+                t,
+                "Unknown",
+                reason,
+                message.to_string(),
+                generation,
+                now,
+            );
+        }
+    }
 }
 
 #[cfg(test)]
