@@ -16,14 +16,14 @@ pub const REASON: &str = "SourceUnavailable";
 
 /// The DataPipeline the Events are about.
 #[derive(Debug, Clone)]
-pub struct PipelineRef {
+pub struct EventSubject {
     pub name: String,
     pub namespace: String,
     /// Without it `kubectl describe` does not match the Event to the object.
     pub uid: Option<String>,
 }
 
-impl PipelineRef {
+impl EventSubject {
     fn object_ref(&self) -> ObjectReference {
         ObjectReference {
             api_version: Some(format!("{}/v1alpha1", stoker_contract::GROUP)),
@@ -39,7 +39,7 @@ impl PipelineRef {
 /// Publishes an Event while `source_down` holds a cause; returns when the sender is gone.
 pub async fn report_source_unavailable(
     client: kube::Client,
-    pipeline: PipelineRef,
+    pipeline: EventSubject,
     pod: Option<String>,
     mut source_down: watch::Receiver<Option<String>>,
 ) {

@@ -1,4 +1,4 @@
-//! `DecoderFleet`: the decode workers this sidecar knows, with their outstanding requests and
+//! `WorkerPool`: the decode workers this sidecar knows, with their outstanding requests and
 //! health. Batches go to the healthy worker with the fewest outstanding requests (ties taken in
 //! turn, so a lightly loaded fleet still spreads its work and finds dead workers); a worker
 //! that fails `max_failures` times in a row is set aside for `set_aside_for`, then tried again.
@@ -90,8 +90,11 @@ impl Drop for Outstanding {
     }
 }
 
+/// The decode workers a sidecar sends batches to, as discovery last saw them, and how it
+/// picks one (least loaded, ties in turn). Not the operator's `DecoderFleet` (the autoscaler's
+/// view of the pods): this is one sidecar's set of connections.
 #[derive(Default)]
-pub struct DecoderFleet {
+pub struct WorkerPool {
     workers: Mutex<HashMap<String, Arc<DecodeWorkerHandle>>>,
     policy: FleetPolicy,
     /// Where the next tie among equally loaded workers starts.
@@ -107,7 +110,7 @@ pub struct FleetCounts {
     pub set_aside: usize,
 }
 
-impl DecoderFleet {
+impl WorkerPool {
     pub fn new(policy: FleetPolicy) -> Self {
         Self {
             workers: Mutex::default(),
@@ -205,7 +208,7 @@ mod tests {
 
     #[test]
     fn least_outstanding_first_and_failing_workers_are_set_aside() {
-        let fleet = DecoderFleet::new(FleetPolicy {
+        let fleet = WorkerPool::new(FleetPolicy {
             max_failures: 2,
             set_aside_for: Duration::from_secs(60),
         });
@@ -243,7 +246,7 @@ mod tests {
 
     #[test]
     fn equally_loaded_workers_take_turns() {
-        let fleet = DecoderFleet::default();
+        let fleet = WorkerPool::default();
         fleet.update(&["http://a".into(), "http://b".into(), "http://c".into()]);
         let none = HashSet::new();
         // Each request finishes before the next is sent: nothing is ever outstanding.

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use tokio::sync::{Notify, watch};
 use tokio::task::AbortHandle;
 
-use super::fleet::{DecodeWorkerHandle, DecoderFleet};
+use super::fleet::{DecodeWorkerHandle, WorkerPool};
 use super::metrics::{ReasonLabel, RouteLabel, SidecarMetrics};
 use super::plan::{Cursor, PlanConfig, PlanError, Shard};
 use super::protocol::{BatchHeader, SampleHeader, monotonic_ns};
@@ -234,7 +234,7 @@ pub struct Pipeline {
     pub local_share: AtomicU64,
     pub local_pool: Arc<rayon::ThreadPool>,
     pub source: S3Source,
-    pub fleet: Arc<DecoderFleet>,
+    pub fleet: Arc<WorkerPool>,
     pub ring: Arc<ShmRing>,
     pub delivery: Delivery,
     pub busy_turns: BusyTurns,

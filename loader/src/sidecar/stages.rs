@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::discovery::{self, DnsWorkers, KubeWorkers, StaticWorkers, WorkerDiscovery};
-use super::fleet::{DecoderFleet, FleetPolicy};
+use super::fleet::{FleetPolicy, WorkerPool};
 use super::metrics::SidecarMetrics;
 use super::pipeline::{BusyTurns, Delivery, Pipeline, Stream};
 use super::plan::{Cursor, PlanConfig, PlanError, Shard};
@@ -47,7 +47,7 @@ pub(super) struct RingLayout {
 
 /// The decode workers as discovery finds them, and the share of batches decoded here.
 pub(super) struct Workers {
-    pub fleet: Arc<DecoderFleet>,
+    pub fleet: Arc<WorkerPool>,
     /// At start: every batch when no worker source is configured, else --local-share.
     pub local_share: f64,
     /// Discovery's Kubernetes client, reused to watch the own pod's annotation.
@@ -268,7 +268,7 @@ pub(super) fn start_local_pool(
 /// The decode workers: found once now, then again every --discovery-interval-secs.
 pub(super) async fn start_fleet(args: &SidecarArgs) -> Result<Workers, SidecarError> {
     let fleet = Arc::new(
-        DecoderFleet::new(FleetPolicy {
+        WorkerPool::new(FleetPolicy {
             max_failures: args.max_worker_failures.max(1),
             set_aside_for: Duration::from_secs(args.set_aside_secs),
         })
@@ -323,11 +323,7 @@ fn workers_from_flags(args: &SidecarArgs) -> Option<Box<dyn WorkerDiscovery>> {
 }
 
 /// Runs discovery every `every` for the sidecar's life, logging the workers that changed.
-async fn rediscover(
-    discovery: Box<dyn WorkerDiscovery>,
-    fleet: Arc<DecoderFleet>,
-    every: Duration,
-) {
+async fn rediscover(discovery: Box<dyn WorkerDiscovery>, fleet: Arc<WorkerPool>, every: Duration) {
     loop {
         tokio::time::sleep(every).await;
         match discovery.discover().await {
@@ -485,7 +481,7 @@ pub(super) fn report_source_events(
     let Some(name) = args.pipeline.clone() else {
         return;
     };
-    let pipeline = events::PipelineRef {
+    let pipeline = events::EventSubject {
         name,
         namespace: args.workers_namespace.clone(),
         uid: args.pipeline_uid.clone(),
