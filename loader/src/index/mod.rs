@@ -26,9 +26,16 @@ use serde::{Deserialize, Serialize};
 
 pub mod parquet;
 
-use crate::sidecar::plan::ShardSample;
 use crate::source::tar::{SampleBounds, TarWalker};
 use crate::source::{ManifestLocation, S3Source, SampleRef, SourceError};
+
+/// A sample of a sharded dataset (WebDataset tar shards): the shard's number in the index and
+/// the sample's number inside it. 8 bytes; the plan never holds one per sample of the dataset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ShardSample {
+    pub shard: u32,
+    pub index: u32,
+}
 
 pub const INDEX_VERSION: u32 = 1;
 pub const SUMMARY_NAME: &str = "index.json";

@@ -274,6 +274,56 @@ struct Planned {
     samples: PlannedSamples,
 }
 
+/// Where a batch goes in the stream: [`Planned`] without its samples.
+#[derive(Clone, Copy)]
+struct Turn {
+    generation: u64,
+    seq: u64,
+    epoch: u64,
+    index: u64,
+    batch_id: u64,
+    position: usize,
+}
+
+/// Each sample's header, its pixels copied into `slot` from a worker's reply (the one copy)
+/// or already there; a sample that does not fit the slot becomes a `tooLarge` skip. Returns the
+/// headers and the bytes of the slot in use.
+fn lay_into_slot(decoded: Decoded, slot: &mut [u8], slot_bytes: usize) -> (Vec<SampleHeader>, u64) {
+    let mut samples = Vec::with_capacity(decoded.samples.len());
+    let mut used = 0u64;
+    for m in decoded.samples {
+        let mut skip = m.skip.map(|r| r.as_str().to_string());
+        let (start, len) = (m.offset as usize, m.byte_len());
+        let received = match &decoded.pixels {
+            Pixels::Received(pixels) => Some(pixels),
+            Pixels::InSlot => None,
+        };
+        let fits = start + len <= slot_bytes && received.is_none_or(|p| start + len <= p.len());
+        if skip.is_none() && !fits {
+            // Only with variable output sizes (qwenSmart) and a too small --slot-bytes.
+            tracing::warn!(key = %m.key, slot_bytes, "sample does not fit in the slot; skipping");
+            skip = Some(SkipReason::TooLarge.as_str().to_string());
+        }
+        let shape = if skip.is_none() {
+            if let Some(pixels) = received {
+                slot[start..start + len].copy_from_slice(&pixels[start..start + len]);
+            }
+            used = used.max((start + len) as u64);
+            [m.height, m.width, 3]
+        } else {
+            [0, 0, 3]
+        };
+        samples.push(SampleHeader {
+            key: m.key,
+            metadata: m.metadata,
+            shape,
+            offset: m.offset,
+            skip,
+        });
+    }
+    (samples, used)
+}
+
 /// A decoded batch, and where its pixels are.
 struct Decoded {
     pixels: Pixels,
@@ -451,6 +501,8 @@ impl Pipeline {
         }
     }
 
+    /// One planned batch, start to end: decode it (until S3 gave every sample), lay its
+    /// samples into the slot, publish it in its turn. A source that stays down stops delivery.
     async fn fill(self: Arc<Self>, planned: Planned, lease: SlotLease) {
         let Planned {
             generation,
@@ -461,6 +513,14 @@ impl Pipeline {
             position,
             samples,
         } = planned;
+        let turn = Turn {
+            generation,
+            seq,
+            epoch,
+            index,
+            batch_id,
+            position,
+        };
         if self.lock_stream().generation != generation {
             // Replaced before its turn came: the lease frees the slot.
             self.metrics.inflight_batches.dec();
@@ -471,73 +531,50 @@ impl Pipeline {
             // The index's own retries are spent: as for the data, the trainer is told.
             Err(err) => Err(format!("reading the dataset index: {err}")),
         };
-        let (decoded, mut lease) = match decoded {
-            Ok(done) => done,
-            Err(message) => {
-                tracing::error!(%message, "source unavailable; delivery stops");
-                self.source_down.send_replace(Some(message.clone()));
-                self.metrics.source_unavailable.set(1);
-                self.metrics.inflight_batches.dec();
-                let _ = self
-                    .delivery
-                    .publish(generation, seq, Item::SourceUnavailable(message));
-                return;
-            }
-        };
-        let slot_bytes = self.ring.slot_bytes();
-        let slot = lease.bytes_mut();
-        let mut samples = Vec::with_capacity(decoded.samples.len());
-        let mut used = 0u64;
-        for m in decoded.samples {
-            let mut skip = m.skip.map(|r| r.as_str().to_string());
-            let (start, len) = (m.offset as usize, m.byte_len());
-            let mut shape = [m.height, m.width, 3];
-            if skip.is_none() {
-                let fits = start + len <= slot_bytes
-                    && match &decoded.pixels {
-                        Pixels::Received(pixels) => start + len <= pixels.len(),
-                        Pixels::InSlot => true,
-                    };
-                if !fits {
-                    // Only with variable output sizes (qwenSmart) and a too small --slot-bytes.
-                    tracing::warn!(key = %m.key, slot_bytes, "sample does not fit in the slot; skipping");
-                    skip = Some(SkipReason::TooLarge.as_str().to_string());
-                    shape = [0, 0, 3];
-                } else {
-                    if let Pixels::Received(pixels) = &decoded.pixels {
-                        // The one copy: from the worker's reply into shared memory.
-                        slot[start..start + len].copy_from_slice(&pixels[start..start + len]);
-                    }
-                    used = used.max((start + len) as u64);
-                }
-            } else {
-                shape = [0, 0, 3];
-            }
-            samples.push(SampleHeader {
-                key: m.key,
-                metadata: m.metadata,
-                shape,
-                offset: m.offset,
-                skip,
-            });
+        match decoded {
+            Ok((decoded, lease)) => self.publish_batch(turn, decoded, lease),
+            Err(message) => self.stop_on_source_down(generation, seq, message),
         }
+    }
+
+    /// The source refuses samples for good: the trainer is told in this batch's turn, and the
+    /// condition shows (see `events`).
+    fn stop_on_source_down(&self, generation: u64, seq: u64, message: String) {
+        tracing::error!(%message, "source unavailable; delivery stops");
+        self.source_down.send_replace(Some(message.clone()));
+        self.metrics.source_unavailable.set(1);
+        self.metrics.inflight_batches.dec();
+        let _ = self
+            .delivery
+            .publish(generation, seq, Item::SourceUnavailable(message));
+    }
+
+    /// Lays `decoded` into the slot and hands its header to delivery, which gives it to the
+    /// trainer in order.
+    fn publish_batch(&self, planned: Turn, decoded: Decoded, mut lease: SlotLease) {
+        let slot_bytes = self.ring.slot_bytes();
+        let route = decoded.route;
+        let (samples, used) = lay_into_slot(decoded, lease.bytes_mut(), slot_bytes);
         let slot_index = lease.index();
         let header = BatchHeader {
             slot: slot_index,
             slot_offset: u64::from(slot_index) * slot_bytes as u64,
             nbytes: used,
-            epoch,
-            index,
-            batch_id,
-            position: position as u64,
+            epoch: planned.epoch,
+            index: planned.index,
+            batch_id: planned.batch_id,
+            position: planned.position as u64,
             dtype: "uint8".into(),
             samples,
             ready_ns: monotonic_ns(),
-            route: decoded.route.into(),
+            route: route.into(),
         };
         let slot = lease.publish();
         self.metrics.inflight_batches.dec();
-        if !self.delivery.publish(generation, seq, Item::Batch(header)) {
+        if !self
+            .delivery
+            .publish(planned.generation, planned.seq, Item::Batch(header))
+        {
             // The trainer moved the stream (seek, new rank) while this batch was decoding.
             if let Err(err) = self.ring.release(slot) {
                 tracing::warn!(%err, "freeing a slot of the replaced stream");

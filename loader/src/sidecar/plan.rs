@@ -176,13 +176,7 @@ impl PlanConfig {
     }
 }
 
-/// A sample of a sharded dataset (WebDataset tar shards): the shard's number in the index and
-/// the sample's number inside it. 8 bytes; the plan never holds one per sample of the dataset.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ShardSample {
-    pub shard: u32,
-    pub index: u32,
-}
+pub use crate::index::ShardSample;
 
 /// Samples the shard-aware shuffle draws from: WebDataset's shuffle buffer. Each epoch the
 /// shard order is shuffled, the shards' samples stream in that order through a buffer of

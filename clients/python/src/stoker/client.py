@@ -21,10 +21,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import qwen
-
-
-class StokerError(RuntimeError):
-    """Base class of the client's errors."""
+from .errors import StokerError
 
 
 class SidecarUnavailable(StokerError):
@@ -207,16 +204,16 @@ class Batch:
         return [json.loads(t) if t else {} for t in self._metadata_text]
 
     def torch(self, device: Optional[Any] = None, non_blocking: bool = True, **qwen_params):
-        """The batch as torch tensors: see :func:`stoker.torch.batch_tensors`.
+        """The batch as torch tensors: see :func:`stoker.tensors.batch_tensors`.
 
         crop/fit: a uint8 (n, H, W, 3) tensor. qwenSmart: ``{"pixel_values",
         "image_grid_thw"}``, normalized on the device after one uint8 copy. With CUDA present
         (or ``device`` given) the copy reads the pinned ring with ``non_blocking``; on CPU the
         crop/fit tensor is a view of the ring, valid until the batch is released.
         """
-        from . import torch as stoker_torch
+        from . import tensors
 
-        return stoker_torch.batch_tensors(self, device=device, non_blocking=non_blocking, **qwen_params)
+        return tensors.batch_tensors(self, device=device, non_blocking=non_blocking, **qwen_params)
 
     def _check_live(self) -> None:
         if self._released:
