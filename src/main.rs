@@ -63,6 +63,10 @@ struct RunArgs {
         default_value = "ghcr.io/stoker-dev/stoker-loader:0.1.0"
     )]
     loader_image: String,
+    /// An image decoders and sidecars may run besides --loader-image (`*` matches any run of
+    /// characters); repeated for several. None: the loader image only.
+    #[arg(long = "allowed-image")]
+    allowed_images: Vec<String>,
     /// CPU of the injected sidecar (requests = limits, so Guaranteed trainer pods stay so).
     #[arg(long, default_value = "1")]
     sidecar_cpu: String,
@@ -144,6 +148,7 @@ async fn main() -> anyhow::Result<()> {
         defaults: BuildDefaults {
             loader_image: args.loader_image.clone(),
             sidecar_resources: Some(sidecar_resources(&args.sidecar_cpu, &args.sidecar_memory)),
+            allowed_images: args.allowed_images.clone(),
         },
         webhook: (!args.no_webhook).then(|| WebhookConfig {
             listen: args.webhook_listen,

@@ -179,6 +179,7 @@ async fn a_starved_trainer_scales_decoders_from_prometheus_signals() {
         defaults: BuildDefaults {
             loader_image: LOADER_IMAGE.to_string(),
             sidecar_resources: None,
+            allowed_images: Vec::new(),
         },
         webhook: None,
         metrics_listen: None,

@@ -53,6 +53,7 @@ async fn a_slow_prometheus_never_slows_a_reconcile() {
         defaults: BuildDefaults {
             loader_image: LOADER_IMAGE.to_string(),
             sidecar_resources: None,
+            allowed_images: Vec::new(),
         },
         webhook: None,
         metrics_listen: None,

@@ -18,6 +18,7 @@ use stoker_operator::build::BuildDefaults;
 use stoker_operator::leader::LeaseConfig;
 use stoker_operator::webhook::WebhookConfig;
 use stoker_operator::webhook::tls::{SelfManaged, TlsSource};
+use stoker_testenv::audit;
 use stoker_testenv::cluster::ControlPlane;
 use stoker_testenv::http;
 
@@ -116,12 +117,18 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         .await
         .expect("service account client");
     let ns = release.name.clone();
+    // As the chart's Deployment sets it: the installation's CA lives in the release namespace,
+    // the one place the chart lets the operator read a Secret. (The only test of this binary
+    // that starts an operator.)
+    // SAFETY: set before the operator starts; nothing else reads the environment meanwhile.
+    unsafe { std::env::set_var("POD_NAMESPACE", &ns) };
     let config = Config {
         watch_namespace: None,
         lease: Some(LeaseConfig::new(&ns, "stoker-leader", "stoker-test-0")),
         defaults: BuildDefaults {
             loader_image: LOADER_IMAGE.into(),
             sidecar_resources: None,
+            allowed_images: Vec::new(),
         },
         webhook: Some(WebhookConfig {
             listen: "127.0.0.1:0".parse().expect("addr"),
@@ -129,7 +136,7 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
                 secret_namespace: ns.clone(),
                 secret_name: "stoker-webhook-tls".into(),
                 dns_names: vec![format!("stoker-webhook.{ns}.svc")],
-                ip_addresses: vec![],
+                ip_addresses: vec!["127.0.0.1".parse().expect("ip")],
                 webhook_configuration: "stoker".into(),
                 validity: Duration::from_secs(90 * 86_400),
                 renew_before: Duration::from_secs(30 * 86_400),
@@ -151,17 +158,24 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         .data
         .and_then(|d| d.get("ca.crt").cloned())
         .expect("ca.crt");
-    let mwc = Api::<MutatingWebhookConfiguration>::all(release.client.clone())
-        .get("stoker")
+    let mwcs = Api::<MutatingWebhookConfiguration>::all(release.client.clone());
+    let mut mwc = mwcs.get("stoker").await.expect("webhook configuration");
+    for hook in mwc.webhooks.iter().flatten() {
+        assert_eq!(
+            hook.client_config.ca_bundle.as_ref(),
+            Some(&ca),
+            "{}",
+            hook.name
+        );
+    }
+    // The chart's Service has no endpoints here (the operator runs in this process): the
+    // webhooks, which fail closed, are pointed at it.
+    let port = op.webhook_addr.expect("webhook address").port();
+    stoker_operator::webhook::serve_from(&mut mwc, &format!("https://127.0.0.1:{port}"));
+    let mwc = mwcs
+        .replace("stoker", &PostParams::default(), &mwc)
         .await
-        .expect("webhook configuration");
-    assert_eq!(
-        mwc.webhooks.expect("webhooks")[0]
-            .client_config
-            .ca_bundle
-            .as_ref(),
-        Some(&ca)
-    );
+        .expect("point the webhooks at the operator");
 
     // Leader election through the chart's Lease rule.
     let leases: Api<Lease> = Api::namespaced(release.client.clone(), &ns);
@@ -173,9 +187,13 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
 
     // A pipeline in another namespace is reconciled end to end with the chart's RBAC.
     let dps: Api<DataPipeline> = Api::namespaced(app.client.clone(), &app.name);
-    dps.create(&PostParams::default(), &pipeline("chart-check", 3, 1))
-        .await
-        .expect("create pipeline");
+    // Admitted by the chart's authorize webhook once the API server has its new address.
+    eventually("pipeline admitted", Duration::from_secs(30), || async {
+        dps.create(&PostParams::default(), &pipeline("chart-check", 3, 1))
+            .await
+            .ok()
+    })
+    .await;
     let pods = wait_ready_decoders(&app.client, &app.name, "chart-check", 3).await;
     assert!(skew_over_cpu_nodes(&pods) <= 1);
     eventually("status Ready", Duration::from_secs(30), || async {
@@ -223,7 +241,7 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
     assert!(metrics.contains("stoker_leader 1"), "{metrics}");
 
     // What the operator made for itself belongs to the webhook configuration, set through the
-    // chart's RBAC (the CA is in the pipeline's namespace here: no POD_NAMESPACE).
+    // chart's RBAC.
     let mwc_uid = mwc.metadata.uid.clone().expect("uid");
     let owned_by_mwc = |meta: &ObjectMeta| {
         meta.owner_references
@@ -232,13 +250,12 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
             .any(|r| r.uid == mwc_uid && r.kind == "MutatingWebhookConfiguration")
     };
     let secrets: Api<Secret> = Api::namespaced(release.client.clone(), &ns);
-    let app_secrets: Api<Secret> = Api::namespaced(release.client.clone(), &app.name);
     eventually(
         "owners on the Secrets and the Lease",
         Duration::from_secs(30),
         || async {
             let webhook_tls = secrets.get("stoker-webhook-tls").await.ok()?;
-            let ca = app_secrets.get("stoker-ca").await.ok()?;
+            let ca = secrets.get("stoker-ca").await.ok()?;
             let lease = leases.get("stoker-leader").await.ok()?;
             [webhook_tls.metadata, ca.metadata, lease.metadata]
                 .iter()
@@ -248,6 +265,36 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
     )
     .await;
     op.stop().await;
+
+    // The API server's audit log of the operator's whole run (stopped: its watches are in it):
+    // no Secret read but its own two in its namespace, nothing in the cluster's namespaces,
+    // nothing refused — under the cluster-wide ClusterRole, which grants no Secret reads.
+    let user = format!("system:serviceaccount:{ns}:stoker");
+    let requests = eventually(
+        "the operator's watches in the audit log",
+        Duration::from_secs(10),
+        || async {
+            let requests = audit::requests_of(&cp.audit_events(), &user);
+            requests
+                .iter()
+                .any(|r| r.verb == "watch" && r.resource == "pods")
+                .then_some(requests)
+        },
+    )
+    .await;
+    let breaches = audit::operator_breaches(&requests, &ns, &["stoker-ca", "stoker-webhook-tls"]);
+    assert!(
+        breaches.is_empty(),
+        "the operator went beyond its rights:\n{}",
+        breaches.join("\n")
+    );
+    let probes = requests
+        .iter()
+        .filter(|r| r.verb == "create" && r.resource == "secrets");
+    assert!(
+        probes.count() > 0,
+        "the certificate Secret was created (or probed) by create only"
+    );
 
     // Leave no cluster-scoped objects behind for other tests of this control plane; the
     // garbage collector then removes what the operator made.
@@ -265,7 +312,7 @@ async fn chart_applies_and_its_rbac_runs_the_operator() {
         Duration::from_secs(60),
         || async {
             let gone = matches!(secrets.get_opt("stoker-webhook-tls").await, Ok(None))
-                && matches!(app_secrets.get_opt("stoker-ca").await, Ok(None))
+                && matches!(secrets.get_opt("stoker-ca").await, Ok(None))
                 && matches!(leases.get_opt("stoker-leader").await, Ok(None));
             gone.then_some(())
         },
@@ -580,4 +627,187 @@ fn pod_monitors_give_the_labels_the_autoscaler_queries_use() {
             "{name}"
         );
     }
+}
+
+/// One row of the RBAC table in docs/security.md: the roles its `where` cell names (a kind and
+/// a backticked name each, `<release>` standing for the release's full name) and what it grants.
+struct RbacRow {
+    roles: Vec<(String, String)>,
+    group: String,
+    resources: Vec<String>,
+    verbs: Vec<String>,
+}
+
+impl RbacRow {
+    fn grants(&self, role: &(String, String), group: &str, resource: &str, verb: &str) -> bool {
+        self.roles.contains(role)
+            && self.group == group
+            && self.resources.iter().any(|r| r == resource)
+            && self.verbs.iter().any(|v| v == verb)
+    }
+}
+
+/// The first table under "## The operator's RBAC, rule by rule" in docs/security.md; the
+/// sidecar's Role, which the operator makes and the chart does not render, is a table below it.
+fn documented_rbac_rows() -> Vec<RbacRow> {
+    /// A comma-separated cell, backticks stripped.
+    fn list(cell: &str) -> Vec<String> {
+        cell.split(',')
+            .map(|item| item.replace('`', "").trim().to_string())
+            .filter(|item| !item.is_empty())
+            .collect()
+    }
+    /// "ClusterRole `<release>`; with watchNamespace, Role `<release>-pipelines`": each
+    /// backticked name with the word before it as its kind.
+    fn roles(cell: &str) -> Vec<(String, String)> {
+        let parts: Vec<&str> = cell.split('`').collect();
+        parts
+            .chunks(2)
+            .filter_map(|pair| {
+                let kind = pair.first()?.split_whitespace().last()?;
+                let name = pair.get(1)?.trim();
+                matches!(kind, "ClusterRole" | "Role").then(|| (kind.to_string(), name.to_string()))
+            })
+            .collect()
+    }
+    let page = std::fs::read_to_string(stoker_testenv::manifest_dir().join("docs/security.md"))
+        .expect("docs/security.md");
+    let section = page
+        .split("\n## The operator's RBAC, rule by rule")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("a section \"## The operator's RBAC, rule by rule\" in docs/security.md");
+    section
+        .lines()
+        .map(str::trim)
+        .skip_while(|line| !line.starts_with('|'))
+        .take_while(|line| line.starts_with('|'))
+        .filter_map(|line| {
+            // | where | apiGroup | resources | verbs | why |: cell 0 is before the first bar.
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            let cell = |i: usize| cells.get(i).copied();
+            let group = cell(2)?.replace('`', "");
+            let group = group.trim();
+            // The header row and the |---| row.
+            if group == "apiGroup" || group.chars().all(|c| c == '-' || c == ':') {
+                return None;
+            }
+            Some(RbacRow {
+                roles: roles(cell(1)?),
+                group: if group == "core" {
+                    String::new()
+                } else {
+                    group.to_string()
+                },
+                resources: list(cell(3)?),
+                verbs: list(cell(4)?),
+            })
+        })
+        .collect()
+}
+
+/// Every (apiGroup, resource, verb) a rendered Role or ClusterRole grants, in both modes, has a
+/// row naming that role in the security page's table, and every row is one the chart renders:
+/// a rule added to rbac.yaml without its row, a verb moved between roles, or a row left behind
+/// by a removed rule fails here.
+#[test]
+fn every_rendered_rbac_rule_is_explained_in_docs_security_md() {
+    let rows = documented_rbac_rows();
+    assert!(
+        rows.len() >= 15 && rows.iter().all(|r| !r.roles.is_empty()),
+        "the table parses, and each row's `where` names its Role or ClusterRole"
+    );
+    // The table spells the release's full name (`stoker` for helm_template's release) `<release>`.
+    let as_documented = |name: &str| match name.strip_prefix("stoker") {
+        Some(rest) => format!("<release>{rest}"),
+        None => name.to_string(),
+    };
+    let strings = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s.as_str().map(str::to_string))
+            .collect()
+    };
+    let mut missing = Vec::new();
+    let mut rendered = std::collections::BTreeSet::new();
+    for values in [&[][..], &["--set", "watchNamespace=team-a"][..]] {
+        let docs = documents(&helm_template(values).expect("renders"));
+        for kind in ["Role", "RoleBinding"] {
+            for doc in of_kind(&docs, kind) {
+                assert_ne!(
+                    doc["metadata"]["namespace"], "kube-system",
+                    "{values:?}: {kind} {} is in kube-system",
+                    doc["metadata"]["name"]
+                );
+            }
+        }
+        let roles = of_kind(&docs, "ClusterRole")
+            .into_iter()
+            .chain(of_kind(&docs, "Role"));
+        for role in roles {
+            let kind = role["kind"].as_str().unwrap_or_default().to_string();
+            let name = role["metadata"]["name"].as_str().unwrap_or_default();
+            let documented_role = (kind.clone(), as_documented(name));
+            for rule in role["rules"].as_array().into_iter().flatten() {
+                let mut granted = Vec::new();
+                for group in strings(&rule["apiGroups"]) {
+                    for resource in strings(&rule["resources"]) {
+                        for verb in strings(&rule["verbs"]) {
+                            granted.push((group.clone(), resource.clone(), verb));
+                        }
+                    }
+                }
+                if granted.is_empty() {
+                    missing.push(format!(
+                        "{kind} {name}: the rule {rule} grants no apiGroup/resource/verb the table can explain"
+                    ));
+                }
+                for (group, resource, verb) in granted {
+                    if !rows
+                        .iter()
+                        .any(|row| row.grants(&documented_role, &group, &resource, &verb))
+                    {
+                        let shown = if group.is_empty() {
+                            "core"
+                        } else {
+                            group.as_str()
+                        };
+                        missing.push(format!(
+                            "{kind} {name}: {shown}/{resource} {verb} is not explained in docs/security.md"
+                        ));
+                    }
+                    rendered.insert((documented_role.clone(), group, resource, verb));
+                }
+            }
+        }
+    }
+    missing.sort();
+    missing.dedup();
+    for row in &rows {
+        let shown = if row.group.is_empty() {
+            "core"
+        } else {
+            row.group.as_str()
+        };
+        for role in &row.roles {
+            for resource in &row.resources {
+                for verb in &row.verbs {
+                    let granted = (
+                        role.clone(),
+                        row.group.clone(),
+                        resource.clone(),
+                        verb.clone(),
+                    );
+                    if !rendered.contains(&granted) {
+                        missing.push(format!(
+                            "docs/security.md gives {} {} {shown}/{resource} {verb}, which the chart renders in neither mode",
+                            role.0, role.1
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(missing.is_empty(), "{}", missing.join("\n"));
 }

@@ -27,6 +27,7 @@ async fn replica(client: &Client, ns: &str, identity: &str) -> Operator {
         defaults: BuildDefaults {
             loader_image: LOADER_IMAGE.into(),
             sidecar_resources: None,
+            allowed_images: Vec::new(),
         },
         webhook: None,
         metrics_listen: None,

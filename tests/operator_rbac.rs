@@ -115,6 +115,7 @@ async fn the_operator_runs_under_the_charts_namespaced_rbac_and_nothing_more() {
         defaults: BuildDefaults {
             loader_image: LOADER_IMAGE.into(),
             sidecar_resources: None,
+            allowed_images: Vec::new(),
         },
         webhook: None,
         metrics_listen: None,

@@ -79,11 +79,7 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ns.client.clone());
     mwcs.create(
         &PostParams::default(),
-        &stoker_operator::webhook::url_configuration(
-            &mwc_name,
-            &ns.name,
-            "https://127.0.0.1:1/mutate",
-        ),
+        &stoker_operator::webhook::url_configuration(&mwc_name, &ns.name, "https://127.0.0.1:1"),
     )
     .await
     .expect("create webhook configuration");
@@ -100,13 +96,13 @@ async fn webhook_injects_the_sidecar_over_tls_and_trainers_show_in_status() {
         .and_then(|d| d.get("ca.crt"))
         .expect("ca.crt")
         .clone();
-    let hook = &mut mwc.webhooks.as_mut().expect("webhooks")[0];
+    let hook = &mwc.webhooks.as_ref().expect("webhooks")[0];
     assert_eq!(
         hook.client_config.ca_bundle.as_ref(),
         Some(&ca),
         "operator wrote its CA into caBundle"
     );
-    hook.client_config.url = Some(format!("https://127.0.0.1:{port}/mutate"));
+    stoker_operator::webhook::serve_from(&mut mwc, &format!("https://127.0.0.1:{port}"));
     mwcs.replace(&mwc_name, &PostParams::default(), &mwc)
         .await
         .expect("point at webhook");
@@ -386,11 +382,7 @@ async fn a_certificate_near_expiry_is_renewed_with_the_same_ca() {
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ns.client.clone());
     mwcs.create(
         &PostParams::default(),
-        &stoker_operator::webhook::url_configuration(
-            &mwc_name,
-            &ns.name,
-            "https://127.0.0.1:1/mutate",
-        ),
+        &stoker_operator::webhook::url_configuration(&mwc_name, &ns.name, "https://127.0.0.1:1"),
     )
     .await
     .expect("create webhook configuration");
@@ -451,4 +443,206 @@ async fn a_certificate_near_expiry_is_renewed_with_the_same_ca() {
     mwcs.delete(&mwc_name, &DeleteParams::default())
         .await
         .expect("delete mwc");
+}
+
+/// A client of the test API server acting as `user` (impersonation, as `kubectl --as` does):
+/// the API server hands the webhook this user's name and groups.
+async fn client_as(cp: &ControlPlane, user: &str) -> Client {
+    let kubeconfig = kube::config::Kubeconfig::read_from(cp.kubeconfig_path()).expect("kubeconfig");
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .expect("config");
+    config.auth_info.impersonate = Some(user.to_string());
+    config.auth_info.impersonate_groups = Some(vec!["system:authenticated".into()]);
+    Client::try_from(config).expect("client")
+}
+
+/// A Role granting `rules` in `ns`, bound to `user`.
+async fn grant(client: &Client, ns: &str, user: &str, rules: serde_json::Value) {
+    let name = format!("{user}-rights");
+    let role: k8s_openapi::api::rbac::v1::Role =
+        serde_json::from_value(json!({"metadata": {"name": name}, "rules": rules})).expect("role");
+    let binding: k8s_openapi::api::rbac::v1::RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]
+    }))
+    .expect("binding");
+    Api::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .expect("role");
+    Api::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("binding");
+}
+
+/// The admission refusal's message, or `None` when the pipeline was admitted.
+async fn refusal(api: &Api<DataPipeline>, dp: &DataPipeline) -> Option<String> {
+    match api.create(&PostParams::default(), dp).await {
+        Ok(_) => None,
+        Err(kube::Error::Api(s)) => Some(s.message),
+        Err(e) => panic!("create {}: {e}", dp.name_any()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_grants_its_author_nothing_the_author_could_not_do_alone() {
+    let cp = ControlPlane::shared();
+    let ns = cp.namespace("op-authz").await;
+    install_crd(&ns.client).await;
+    Api::<Secret>::namespaced(ns.client.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "s3-keys"},
+                "stringData": {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b"}}))
+            .expect("secret"),
+        )
+        .await
+        .expect("secret");
+    // alice may write DataPipelines and nothing else; bob may also create pods and read the
+    // one Secret.
+    let pipelines = json!({"apiGroups": ["stoker.dev"], "resources": ["datapipelines"],
+                           "verbs": ["get", "create", "update", "patch"]});
+    grant(&ns.client, &ns.name, "alice", json!([pipelines])).await;
+    grant(&ns.client, &ns.name, "bob", json!([pipelines,
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["s3-keys"], "verbs": ["get"]}
+    ]))
+    .await;
+
+    let mwc_name = format!("stoker-{}", ns.name);
+    let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ns.client.clone());
+    let cfg =
+        stoker_operator::webhook::url_configuration(&mwc_name, &ns.name, "https://127.0.0.1:1");
+    mwcs.create(&PostParams::default(), &cfg)
+        .await
+        .expect("create webhook configuration");
+    let mut config = test_config(
+        &ns.name,
+        Some(WebhookConfig {
+            listen: "127.0.0.1:0".parse().expect("addr"),
+            tls: TlsSource::SelfManaged(self_managed(&ns.name, &mwc_name)),
+            refresh_interval: Duration::from_secs(60),
+        }),
+    );
+    config.defaults.allowed_images = vec!["registry.example/ml/*".into()];
+    let op = Operator::start_with(ns.client.clone(), config).await;
+    let port = op.webhook_addr.expect("webhook address").port();
+    let mut mwc = mwcs.get(&mwc_name).await.expect("get mwc");
+    stoker_operator::webhook::serve_from(&mut mwc, &format!("https://127.0.0.1:{port}"));
+    mwcs.replace(&mwc_name, &PostParams::default(), &mwc)
+        .await
+        .expect("point at webhook");
+
+    let as_alice: Api<DataPipeline> = Api::namespaced(client_as(cp, "alice").await, &ns.name);
+    let as_bob: Api<DataPipeline> = Api::namespaced(client_as(cp, "bob").await, &ns.name);
+    let named = |name: &str, edit: &dyn Fn(&mut DataPipeline)| {
+        let mut dp = pipeline(name, 1, 1);
+        dp.spec.decoders.node_selector.clear();
+        edit(&mut dp);
+        dp
+    };
+    // A pipeline of defaults asks for nothing; the webhook answers once it has its port.
+    let defaults = named("defaults", &|_| {});
+    eventually(
+        "the webhook admits a pipeline of defaults",
+        Duration::from_secs(30),
+        || async { refusal(&as_alice, &defaults).await.is_none().then_some(()) },
+    )
+    .await;
+
+    let image = |dp: &mut DataPipeline| {
+        dp.spec.decoders.image = Some("registry.example/ml/loader:2".into())
+    };
+    let account =
+        |dp: &mut DataPipeline| dp.spec.decoders.service_account_name = Some("s3-reader".into());
+    let keys = |dp: &mut DataPipeline| {
+        dp.spec.source.s3.credentials_secret_ref =
+            serde_json::from_value(json!({"name": "s3-keys"})).expect("ref");
+    };
+    let tolerations = |dp: &mut DataPipeline| {
+        dp.spec.decoders.tolerations =
+            serde_json::from_value(json!([{"key": "reserved", "operator": "Exists"}]))
+                .expect("tolerations");
+    };
+    let cases: [(&str, &dyn Fn(&mut DataPipeline), String); 4] = [
+        (
+            "image",
+            &image,
+            format!(
+                "decoders.image: user alice may not create pods in namespace {}",
+                ns.name
+            ),
+        ),
+        (
+            "account",
+            &account,
+            format!(
+                "decoders.serviceAccountName: user alice may not create pods in namespace {}",
+                ns.name
+            ),
+        ),
+        (
+            "keys",
+            &keys,
+            format!(
+                "source.s3.credentialsSecretRef: user alice may not get secret \"s3-keys\" in namespace {}",
+                ns.name
+            ),
+        ),
+        (
+            "tolerations",
+            &tolerations,
+            format!(
+                "decoders.tolerations: user alice may not create pods in namespace {}",
+                ns.name
+            ),
+        ),
+    ];
+    for (name, edit, expected) in cases {
+        let refused = refusal(&as_alice, &named(&format!("alice-{name}"), edit)).await;
+        let message = refused.unwrap_or_else(|| panic!("alice's {name} pipeline was admitted"));
+        assert!(message.contains(&expected), "{name}: {message}");
+        // The same pipeline, from a user who holds the rights.
+        assert_eq!(
+            refusal(&as_bob, &named(&format!("bob-{name}"), edit)).await,
+            None,
+            "bob's {name}"
+        );
+    }
+
+    // An update asks for what it changes: alice may scale her pipeline, not give it a Secret.
+    let mut mine = as_alice.get("defaults").await.expect("alice's pipeline");
+    mine.spec.decoders.max_replicas = 8;
+    mine = as_alice
+        .replace("defaults", &PostParams::default(), &mine)
+        .await
+        .expect("scale");
+    keys(&mut mine);
+    let refused = as_alice
+        .replace("defaults", &PostParams::default(), &mine)
+        .await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(s)) if s.message.contains("source.s3.credentialsSecretRef: user alice may not get secret")),
+        "{refused:?}"
+    );
+
+    // No right makes an image the installation does not allow acceptable.
+    let foreign = named("bob-foreign", &|dp| {
+        dp.spec.decoders.image = Some("docker.io/miner:1".into())
+    });
+    let message = refusal(&as_bob, &foreign)
+        .await
+        .expect("a foreign image is refused");
+    assert!(
+        message
+            .contains("decoders.image: docker.io/miner:1 is not an image this installation allows"),
+        "{message}"
+    );
+    op.stop().await;
 }

@@ -804,11 +804,7 @@ async fn start_operator(
     let _ = mwcs.delete(mwc_name, &DeleteParams::default()).await;
     mwcs.create(
         &PostParams::default(),
-        &stoker_operator::webhook::url_configuration(
-            mwc_name,
-            NAMESPACE,
-            "https://127.0.0.1:1/mutate",
-        ),
+        &stoker_operator::webhook::url_configuration(mwc_name, NAMESPACE, "https://127.0.0.1:1"),
     )
     .await?;
     let webhook = WebhookConfig {
@@ -834,6 +830,7 @@ async fn start_operator(
                 "requests": {"cpu": format!("{}m", opts.sidecar_cpu_millis), "memory": "512Mi"},
                 "limits": {"cpu": format!("{}m", opts.sidecar_cpu_millis), "memory": "512Mi"},
             }))?),
+            allowed_images: Vec::new(),
         },
         webhook: Some(webhook),
         metrics_listen: None,
@@ -856,9 +853,9 @@ async fn start_operator(
     // The operator wrote its CA into the configuration; now point it at the operator's port.
     for _ in 0..150 {
         let mut mwc = mwcs.get(mwc_name).await?;
-        let hook = &mut mwc.webhooks.as_mut().context("webhooks")?[0];
+        let hook = &mwc.webhooks.as_ref().context("webhooks")?[0];
         if hook.client_config.ca_bundle.is_some() {
-            hook.client_config.url = Some(format!("https://127.0.0.1:{port}/mutate"));
+            stoker_operator::webhook::serve_from(&mut mwc, &format!("https://127.0.0.1:{port}"));
             mwcs.replace(mwc_name, &PostParams::default(), &mwc).await?;
             return Ok(shutdown);
         }

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use stoker_demo::{NAMESPACE, Operator, StoryOptions};
+use stoker_demo::{NAMESPACE, Operator, PIPELINE, StoryOptions};
 use stoker_testenv::cluster::{ControlPlane, restricted_namespace_labels};
 use stoker_testenv::eventually;
 use stoker_testenv::runtime::{ImageSource, RuntimeOptions};
@@ -180,6 +180,7 @@ async fn helm_install_feeds_a_trainer_and_helm_uninstall_removes_the_chart() {
             "--wait",
         ],
     );
+    audit_says_each_identity_kept_to_its_rights(cp);
     // The operator's own Secrets and Lease belong to the webhook configuration Helm deletes, so
     // the garbage collector removes them too.
     eventually(
@@ -195,6 +196,61 @@ async fn helm_install_feeds_a_trainer_and_helm_uninstall_removes_the_chart() {
     )
     .await;
     world.runtime.shutdown();
+}
+
+/// The API server's audit log of the whole run (the operator pods gone, so their watches are
+/// in it too): the operator read no Secret but its own two in its namespace and touched
+/// nothing in the cluster's namespaces; the sidecar stayed in its namespace and was refused
+/// nothing; the decoders, which mount no token, made no request at all.
+fn audit_says_each_identity_kept_to_its_rights(cp: &ControlPlane) {
+    use stoker_operator::build::sidecar_rbac::{
+        decoder_service_account_name, sidecar_service_account_name,
+    };
+    use stoker_testenv::audit;
+    let events = cp.audit_events();
+    let account = |ns: &str, name: &str| format!("system:serviceaccount:{ns}:{name}");
+    let operator = audit::requests_of(&events, &account(RELEASE_NAMESPACE, RELEASE));
+    assert!(
+        operator
+            .iter()
+            .any(|r| r.verb == "create" && r.resource == "pods"),
+        "the audit log holds the operator's requests ({} events)",
+        events.len()
+    );
+    let breaches = audit::operator_breaches(
+        &operator,
+        RELEASE_NAMESPACE,
+        &["stoker-ca", "stoker-webhook-tls"],
+    );
+    assert!(
+        breaches.is_empty(),
+        "the operator went beyond its rights:\n{}",
+        breaches.join("\n")
+    );
+    let sidecar = audit::requests_of(
+        &events,
+        &account(NAMESPACE, &sidecar_service_account_name(PIPELINE)),
+    );
+    assert!(
+        !sidecar.is_empty(),
+        "the sidecar read its decoders from the API server"
+    );
+    let breaches = audit::confinement_breaches(&sidecar, NAMESPACE);
+    assert!(
+        breaches.is_empty(),
+        "the sidecar went beyond its Role:\n{}",
+        breaches.join("\n")
+    );
+    let decoder = audit::requests_of(
+        &events,
+        &account(NAMESPACE, &decoder_service_account_name(PIPELINE)),
+    );
+    assert!(decoder.is_empty(), "decoders made requests: {decoder:?}");
+    eprintln!(
+        "audit: operator {} requests, sidecar {}, decoders 0; none beyond their rights",
+        operator.len(),
+        sidecar.len()
+    );
 }
 
 /// stoker's image from the test build's binaries, as `scripts/image.sh --debug` writes it

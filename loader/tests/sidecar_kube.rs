@@ -1,10 +1,11 @@
 //! Decoder discovery from a real Kubernetes API server (the test control plane, with KWOK
-//! running the pods): Ready decode pods are found with port 50051; pods labelled
-//! `stoker.dev/draining=true` or outside the selector are not.
+//! running the pods): Ready decode pods the pipeline owns are found with port 50051; pods
+//! labelled `stoker.dev/draining=true`, outside the selector, or copying a decoder's labels
+//! without being owned by the pipeline are not.
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use stoker_loader::sidecar::discovery::{KubeWorkers, WorkerDiscovery};
@@ -12,9 +13,18 @@ use stoker_testenv::cluster::{
     ControlPlane, restricted_container_security, restricted_pod_security,
 };
 
-fn pod(name: &str, labels: serde_json::Value) -> Pod {
+/// A pod; `owner` (a ConfigMap's name and uid) standing in for the DataPipeline that controls
+/// it (the garbage collector deletes pods whose owner does not exist).
+fn pod(name: &str, labels: serde_json::Value, owner: Option<(&str, &str)>) -> Pod {
+    let owners: Vec<serde_json::Value> = owner
+        .map(|(owner, uid)| {
+            serde_json::json!({ "apiVersion": "v1", "kind": "ConfigMap", "name": owner,
+                                "uid": uid, "controller": true })
+        })
+        .into_iter()
+        .collect();
     serde_json::from_value(serde_json::json!({
-        "metadata": { "name": name, "labels": labels },
+        "metadata": { "name": name, "labels": labels, "ownerReferences": owners },
         "spec": {
             "securityContext": restricted_pod_security(65532),
             "containers": [{ "name": "decode", "image": "stoker-loader:test",
@@ -43,20 +53,40 @@ async fn wait_for(discovery: &KubeWorkers, want: usize) -> Vec<String> {
 async fn discovers_ready_decoder_pods_and_skips_draining_ones() {
     let ns = ControlPlane::shared().namespace("sidecar-discovery").await;
     let pods: Api<Pod> = Api::namespaced(ns.client.clone(), &ns.name);
+    let owner: ConfigMap = Api::namespaced(ns.client.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({ "metadata": { "name": "pipeline-p" } }))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let uid = owner.metadata.uid.clone().expect("uid");
+    let owned = Some(("pipeline-p", uid.as_str()));
     let decoder = serde_json::json!({ "stoker.dev/pipeline": "p", "stoker.dev/role": "decoder" });
     for name in ["decoder-a", "decoder-b"] {
-        pods.create(&PostParams::default(), &pod(name, decoder.clone()))
+        pods.create(&PostParams::default(), &pod(name, decoder.clone(), owned))
             .await
             .unwrap();
     }
+    // Anyone who may create pods can copy the labels; only the pipeline owns its decoders.
+    pods.create(
+        &PostParams::default(),
+        &pod("impostor", decoder.clone(), None),
+    )
+    .await
+    .unwrap();
     let draining = serde_json::json!({
         "stoker.dev/pipeline": "p", "stoker.dev/role": "decoder", "stoker.dev/draining": "true"
     });
-    pods.create(&PostParams::default(), &pod("decoder-draining", draining))
-        .await
-        .unwrap();
+    pods.create(
+        &PostParams::default(),
+        &pod("decoder-draining", draining, owned),
+    )
+    .await
+    .unwrap();
     let other = serde_json::json!({ "stoker.dev/pipeline": "other", "stoker.dev/role": "decoder" });
-    pods.create(&PostParams::default(), &pod("other-pipeline", other))
+    pods.create(&PostParams::default(), &pod("other-pipeline", other, owned))
         .await
         .unwrap();
 
@@ -64,8 +94,18 @@ async fn discovers_ready_decoder_pods_and_skips_draining_ones() {
         client: ns.client.clone(),
         namespace: ns.name.clone(),
         selector: "stoker.dev/pipeline=p,stoker.dev/role=decoder".into(),
+        owner_uid: Some(uid.clone()),
         port: 50051,
     };
+    // The impostor is Ready too (the label-only view sees three): still not a decoder.
+    let by_label = KubeWorkers {
+        client: ns.client.clone(),
+        namespace: ns.name.clone(),
+        selector: discovery.selector.clone(),
+        owner_uid: None,
+        port: 50051,
+    };
+    wait_for(&by_label, 3).await;
     let found = wait_for(&discovery, 2).await;
     let mut expected = Vec::new();
     for name in ["decoder-a", "decoder-b"] {

@@ -12,6 +12,10 @@ pub use stoker_contract::{
     ROLE_DECODER, ROLE_TRAINER,
 };
 
+/// Namespaces that hold the cluster's own workloads: no pipeline runs there, whoever asks
+/// (admission refuses it, the controller skips it).
+pub const RESERVED_NAMESPACES: [&str; 3] = ["kube-system", "kube-public", "kube-node-lease"];
+
 /// The CRD manifest exactly as `crds/` and the chart carry it.
 pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
     let body = serde_yaml::to_string(&DataPipeline::crd())?;

@@ -621,6 +621,24 @@ pub struct DataPipelineStatus {
     /// The dataset index of a `webDataset` source, and the Job that builds it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<IndexStatus>,
+    /// The certificate the operator last wrote into `<name>-decoders-tls`: how the operator
+    /// knows when to renew it without reading the Secret.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate: Option<CertificateStatus>,
+}
+
+/// The pipeline's mTLS certificate as issued (no key material: what anyone may read).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CertificateStatus {
+    pub not_before: Time,
+    pub not_after: Time,
+    /// SHA-256 (hex) of the trust bundle it was issued with.
+    #[schemars(length(max = 64))]
+    pub ca_sha256: String,
+    /// The name it was issued for (the decoder Service's DNS name).
+    #[schemars(length(max = 512))]
+    pub name: String,
 }
 
 /// Where a pipeline's dataset index stands.

@@ -29,6 +29,9 @@ pub struct BuildDefaults {
     /// The injected sidecar's resources before its shared-memory ring is added to memory;
     /// `None` sets none.
     pub sidecar_resources: Option<ResourceRequirements>,
+    /// Images an admin allows besides `loader_image` (the chart's `decoders.allowedImages`);
+    /// `*` matches any run of characters. Empty allows the operator's own image only.
+    pub allowed_images: Vec<String>,
 }
 
 impl Default for BuildDefaults {
@@ -36,6 +39,7 @@ impl Default for BuildDefaults {
         Self {
             loader_image: "ghcr.io/stoker-dev/stoker-loader:0.1.0".into(),
             sidecar_resources: None,
+            allowed_images: Vec::new(),
         }
     }
 }
@@ -49,6 +53,42 @@ impl BuildDefaults {
             .clone()
             .unwrap_or_else(|| self.loader_image.clone())
     }
+
+    /// Whether decoders and sidecars may run `image`: the operator's own loader image, or one
+    /// an allowed pattern matches.
+    pub fn image_allowed(&self, image: &str) -> bool {
+        image == self.loader_image || self.allowed_images.iter().any(|p| glob(p, image))
+    }
+
+    /// Why `spec`'s decoders may not run their image here, if they may not.
+    pub fn image_refusal(&self, spec: &crate::api::DataPipelineSpec) -> Option<String> {
+        let image = spec.decoders.image.as_deref()?;
+        (!self.image_allowed(image)).then(|| {
+            format!("decoders.image: {image} is not an image this installation allows (the chart's decoders.allowedImages)")
+        })
+    }
+}
+
+/// Whether `text` matches `pattern`, where `*` stands for any run of characters (none too).
+fn glob(pattern: &str, text: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let Some(first) = parts.next() else {
+        return text.is_empty();
+    };
+    let Some(mut rest) = text.strip_prefix(first) else {
+        return false;
+    };
+    let middle: Vec<&str> = parts.collect();
+    let Some((last, between)) = middle.split_last() else {
+        return rest.is_empty();
+    };
+    for part in between {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
 }
 
 pub fn decoder_service_name(dp: &DataPipeline) -> String {
@@ -152,6 +192,35 @@ mod tests {
     fn dp() -> DataPipeline {
         serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
             .expect("fixture")
+    }
+
+    #[test]
+    fn only_the_own_image_and_the_allowed_patterns_may_run() {
+        let defaults = BuildDefaults {
+            allowed_images: vec![
+                "registry.example/team-a/*".into(),
+                "*.example/x:*-cuda".into(),
+            ],
+            ..BuildDefaults::default()
+        };
+        for ok in [
+            defaults.loader_image.as_str(),
+            "registry.example/team-a/loader:1",
+            "registry.example/team-a/",
+            "a.example/x:2-cuda",
+        ] {
+            assert!(defaults.image_allowed(ok), "{ok}");
+        }
+        for refused in [
+            "registry.example/team-b/loader:1",
+            "evil/registry.example/team-a/x",
+            "a.example/x:2-cuda-not",
+            "",
+        ] {
+            assert!(!defaults.image_allowed(refused), "{refused}");
+        }
+        assert!(!BuildDefaults::default().image_allowed("registry.example/team-a/loader:1"));
+        assert!(glob("*", "anything") && glob("a*a", "aa") && !glob("a*a", "a"));
     }
 
     #[test]

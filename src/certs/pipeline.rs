@@ -10,23 +10,26 @@
 //!   (20 days) or when the CA changed. Decoders and sidecars re-read the mounted files, so a
 //!   reissue needs no restart.
 //!
-//! [`plan`] decides both from the Secrets the reconcile observed.
+//! [`plan`] decides both from what the reconcile observed: the CA Secret (read under the
+//! operator's own Role) and, for the pipeline's Secret, only whether it exists and the
+//! certificate the pipeline's `status.certificate` records; the operator never reads a Secret
+//! in a pipeline's namespace.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use stoker_contract::{TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE};
 
 use super::{
-    Authority, Ca, CaAnnotations, CertError, Leaf, LeafRequest, annotation_time, bytes,
-    ca_from_secret, ca_secret_parts, current_or_new_ca, data_str, issue_leaf, managed_labels,
-    past_two_thirds,
+    Authority, Ca, CaAnnotations, CertError, Leaf, LeafRequest, bytes, ca_from_secret,
+    ca_secret_parts, current_or_new_ca, issue_leaf, managed_labels, past_two_thirds,
 };
 use crate::api::DataPipeline;
+use crate::api::v1alpha1::CertificateStatus;
 use crate::build::decoder_pod::{tls_peer_name, tls_secret_name};
 use crate::build::{child_meta, decoder_service_name};
 use crate::installation;
@@ -58,13 +61,15 @@ pub fn ca_namespace(pipeline_namespace: &str) -> String {
         .unwrap_or_else(|| pipeline_namespace.to_string())
 }
 
-/// The two Secrets a pipeline's certificates live in, as the observe step read them.
+/// What the observe step knows of a pipeline's certificates.
 #[derive(Clone, Debug, Default)]
 pub struct CertSecrets {
     /// The installation's CA ([`CA_SECRET`] in [`ca_namespace`]).
     pub ca: Option<Secret>,
-    /// The pipeline's own ([`tls_secret_name`]).
-    pub pipeline: Option<Secret>,
+    /// Whether the pipeline's own Secret ([`tls_secret_name`]) exists (a dry-run create says).
+    pub pipeline_exists: bool,
+    /// The certificate the operator last wrote there, as the pipeline's status records it.
+    pub issued: Option<CertificateStatus>,
 }
 
 /// What to write so that the pipeline has a current certificate. The CA goes first: a
@@ -76,6 +81,8 @@ pub struct CertChanges {
     pub ca: Option<Secret>,
     /// The pipeline's Secret, when its certificate is (re)issued.
     pub pipeline: Option<Secret>,
+    /// What `status.certificate` records once that Secret is written.
+    pub record: Option<CertificateStatus>,
     /// Why the certificate is (re)issued, if it is.
     pub reason: Option<&'static str>,
 }
@@ -102,14 +109,21 @@ pub fn plan(
     };
     let reason = ca_reason
         .map(|_| "ca_changed")
-        .or_else(|| leaf_renewal(observed.pipeline.as_ref(), &ca, &tls_peer_name(dp), now));
-    let pipeline = match reason {
-        Some(_) => Some(pipeline_secret(dp, &ca, &issue(dp, &ca)?)),
-        None => None,
+        .or_else(|| leaf_renewal(observed, &ca, &tls_peer_name(dp), now));
+    let (pipeline, record) = match reason {
+        Some(_) => {
+            let leaf = issue(dp, &ca)?;
+            (
+                Some(pipeline_secret(dp, &ca, &leaf)),
+                Some(record(dp, &ca, &leaf)),
+            )
+        }
+        None => (None, None),
     };
     Ok(CertChanges {
         ca: ca_secret,
         pipeline,
+        record,
         reason,
     })
 }
@@ -138,33 +152,38 @@ fn ca_secret(
     }
 }
 
-/// Why a pipeline's certificate must be reissued now, if it must: missing or incomplete, issued
-/// for another name or under another CA, or past two thirds of its lifetime.
+/// Why a pipeline's certificate must be reissued now, if it must: its Secret missing, no
+/// record of what it holds (a status lost, or a pipeline from before records), issued for
+/// another name or under another CA, or past two thirds of its lifetime.
 pub fn leaf_renewal(
-    existing: Option<&Secret>,
+    observed: &CertSecrets,
     ca: &Ca,
     tls_name: &str,
     now: Timestamp,
 ) -> Option<&'static str> {
-    let Some(secret) = existing else {
+    if !observed.pipeline_exists {
         return Some("missing");
+    }
+    let Some(issued) = &observed.issued else {
+        return Some("unrecorded");
     };
-    let complete = [TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE]
-        .iter()
-        .all(|k| data_str(secret, k).is_some());
-    let times = annotation_time(secret, ANNOTATION_NOT_BEFORE)
-        .zip(annotation_time(secret, ANNOTATION_NOT_AFTER));
-    let Some((not_before, not_after)) = times.filter(|_| complete) else {
-        return Some("incomplete");
-    };
-    let annotations = secret.annotations();
-    if annotations.get(ANNOTATION_CA) != Some(&ca.fingerprint()) {
+    if issued.ca_sha256 != ca.fingerprint() {
         return Some("ca_changed");
     }
-    if annotations.get(ANNOTATION_TLS_NAME).map(String::as_str) != Some(tls_name) {
+    if issued.name != tls_name {
         return Some("name_changed");
     }
-    past_two_thirds(not_before, not_after, now).then_some("renewal_due")
+    past_two_thirds(issued.not_before.0, issued.not_after.0, now).then_some("renewal_due")
+}
+
+/// What `status.certificate` says of `leaf`.
+fn record(dp: &DataPipeline, ca: &Ca, leaf: &Leaf) -> CertificateStatus {
+    CertificateStatus {
+        not_before: Time(leaf.not_before),
+        not_after: Time(leaf.not_after),
+        ca_sha256: ca.fingerprint(),
+        name: tls_peer_name(dp),
+    }
 }
 
 /// A certificate for `dp` signed by `ca`: DNS names of its decoder Service, its SPIFFE id,
@@ -218,6 +237,7 @@ fn pipeline_secret(dp: &DataPipeline, ca: &Ca, leaf: &Leaf) -> Secret {
 
 #[cfg(test)]
 mod tests {
+    use super::super::data_str;
     use super::*;
 
     fn dp() -> DataPipeline {
@@ -243,10 +263,8 @@ mod tests {
     fn written(observed: &CertSecrets, changes: &CertChanges) -> CertSecrets {
         CertSecrets {
             ca: changes.ca.clone().or_else(|| observed.ca.clone()),
-            pipeline: changes
-                .pipeline
-                .clone()
-                .or_else(|| observed.pipeline.clone()),
+            pipeline_exists: observed.pipeline_exists || changes.pipeline.is_some(),
+            issued: changes.record.clone().or_else(|| observed.issued.clone()),
         }
     }
 
@@ -274,30 +292,59 @@ mod tests {
             &plan(&dp, &CertSecrets::default(), None, now).expect("plan"),
         );
         let ca = ca_from_secret(settled.ca.as_ref().expect("ca"), CA_TIMES).expect("ca");
-        let secret = settled.pipeline.as_ref();
         let name = tls_peer_name(&dp);
         let at = |days: u64| now + Duration::from_secs(days * 86_400);
-        assert_eq!(leaf_renewal(secret, &ca, &name, at(19)), None);
+        assert_eq!(leaf_renewal(&settled, &ca, &name, at(19)), None);
         assert_eq!(
-            leaf_renewal(secret, &ca, &name, at(21)),
+            leaf_renewal(&settled, &ca, &name, at(21)),
             Some("renewal_due"),
             "30-day certificates are reissued after 20 days"
         );
         let other = super::super::new_ca(AUTHORITY, None).expect("ca");
         assert_eq!(
-            leaf_renewal(secret, &other, &name, at(1)),
+            leaf_renewal(&settled, &other, &name, at(1)),
             Some("ca_changed")
         );
         assert_eq!(
-            leaf_renewal(secret, &ca, "other-decoders.training.svc", at(1)),
+            leaf_renewal(&settled, &ca, "other-decoders.training.svc", at(1)),
             Some("name_changed")
         );
-        assert_eq!(leaf_renewal(None, &ca, &name, at(1)), Some("missing"));
-        let mut partial = secret.cloned().expect("secret");
-        partial.data.as_mut().expect("data").remove(TLS_KEY_FILE);
+        let deleted = CertSecrets {
+            pipeline_exists: false,
+            ..settled.clone()
+        };
+        assert_eq!(leaf_renewal(&deleted, &ca, &name, at(1)), Some("missing"));
+        let lost_status = CertSecrets {
+            issued: None,
+            ..settled.clone()
+        };
         assert_eq!(
-            leaf_renewal(Some(&partial), &ca, &name, at(1)),
-            Some("incomplete")
+            leaf_renewal(&lost_status, &ca, &name, at(1)),
+            Some("unrecorded")
+        );
+    }
+
+    #[test]
+    fn the_record_in_status_is_what_was_issued_and_holds_no_key() {
+        let dp = dp();
+        let now = Timestamp::now();
+        let first = plan(&dp, &CertSecrets::default(), None, now).expect("plan");
+        let record = first
+            .record
+            .clone()
+            .expect("a record of the new certificate");
+        let secret = first.pipeline.expect("secret");
+        let annotations = secret.annotations();
+        assert_eq!(annotations[ANNOTATION_CA], record.ca_sha256);
+        assert_eq!(
+            annotations[ANNOTATION_NOT_AFTER],
+            record.not_after.0.to_string()
+        );
+        assert_eq!(record.name, tls_peer_name(&dp));
+        let json = serde_json::to_string(&record).expect("json");
+        assert!(
+            !json.contains("PRIVATE KEY") && !json.contains("CERTIFICATE"),
+            "{json}"
         );
     }
 

@@ -1,18 +1,21 @@
 //! The read half of a reconcile: everything the pure steps decide on, in one [`Observed`].
 //! Reads come from the controller's watch caches ([`ChildStores`]) wherever it has them; the
-//! API server is asked only for what no cache holds (the two certificate Secrets: the operator
-//! watches no Secrets) and, while a cache still fills, for the pods. Nothing here writes.
+//! API server is asked only for what no cache holds (the CA Secret, and whether the pipeline's
+//! certificate Secret exists: the operator watches and reads no Secret of a pipeline's
+//! namespace) and, while a cache still fills, for the pods. Nothing here writes: the one
+//! create is a dry run.
 
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams};
+use kube::api::{Api, ListParams, PostParams};
 use kube::{Resource, ResourceExt};
 
 use super::index::IndexObserved;
 use super::status::SOURCE_UNAVAILABLE;
-use super::{ChildStores, Context, Error, trainers};
+use super::{ChildStores, Context, Error, owned_by, trainers};
 use crate::api::v1alpha1::AutoscalingMode;
 use crate::api::{DataPipeline, LABEL_PIPELINE, LABEL_ROLE, PipelineKey, ROLE_DECODER};
 use crate::build::decoder_pod::tls_secret_name;
@@ -31,7 +34,7 @@ pub struct Observed {
     pub source_outage: Option<String>,
     /// The index Jobs and their pods (empty unless the source is indexed).
     pub index: IndexObserved,
-    /// The Secrets the pipeline's certificate and its CA live in.
+    /// The CA Secret, and what is known of the pipeline's certificate Secret.
     pub certs: CertSecrets,
     /// What the autoscaler decides on, when a decision is due.
     pub autoscale: Option<AutoscaleInput>,
@@ -51,7 +54,7 @@ pub async fn observe(
     now: Timestamp,
 ) -> Result<Observed, Error> {
     let cached = ctx.children();
-    let (decoders, trainers) = pods(ctx, cached.as_ref(), key).await?;
+    let (decoders, trainers) = pods(ctx, cached.as_ref(), dp, key).await?;
     let decoders = ctx.pod_writes.overlay(key, decoders);
     let index = match dp.spec.source.indexed() {
         Some(_) => index(ctx, cached.as_ref(), dp, key).await?,
@@ -85,27 +88,44 @@ fn get_err(
     }
 }
 
-/// The pipeline's decoder and trainer pods: from the caches, listed while they fill.
+/// The pipeline's decoder and trainer pods: from the caches, listed while they fill. A
+/// decoder is a pod the pipeline owns, not one that only carries its labels: a copied label
+/// neither counts toward the fleet nor gets drained or deleted by the operator.
 async fn pods(
     ctx: &Context,
     cached: Option<&ChildStores>,
+    dp: &DataPipeline,
     key: &PipelineKey,
 ) -> Result<(Vec<Pod>, Vec<Pod>), Error> {
     let PipelineKey { namespace, name } = key;
-    if let Some(c) = cached.filter(|c| c.pods_ready()) {
-        return Ok((
+    let labelled = match cached.filter(|c| c.pods_ready()) {
+        Some(c) => (
             ChildStores::pods_of(&c.decoders, namespace, name),
             ChildStores::pods_of(&c.trainers, namespace, name),
-        ));
+        ),
+        None => Api::<Pod>::namespaced(ctx.client.clone(), namespace)
+            .list(&ListParams::default().labels(&format!("{LABEL_PIPELINE}={name}")))
+            .await
+            .map_err(get_err("list", "Pod", namespace, name))?
+            .items
+            .into_iter()
+            .partition(|p| p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_DECODER)),
+    };
+    Ok(decoders_owned(dp, labelled))
+}
+
+/// Keeps, of the labelled decoders, those `dp` owns.
+fn decoders_owned(
+    dp: &DataPipeline,
+    (decoders, trainers): (Vec<Pod>, Vec<Pod>),
+) -> (Vec<Pod>, Vec<Pod>) {
+    let uid = dp.uid().unwrap_or_default();
+    let (owned, impostors): (Vec<Pod>, Vec<Pod>) =
+        decoders.into_iter().partition(|p| owned_by(p, &uid));
+    for p in &impostors {
+        tracing::warn!(pod = %p.name_any(), pipeline = %dp.name_any(), "a pod labelled as the pipeline's decoder that it does not own: ignored");
     }
-    let list = Api::<Pod>::namespaced(ctx.client.clone(), namespace)
-        .list(&ListParams::default().labels(&format!("{LABEL_PIPELINE}={name}")))
-        .await
-        .map_err(get_err("list", "Pod", namespace, name))?;
-    Ok(list
-        .items
-        .into_iter()
-        .partition(|p| p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_DECODER)))
+    (owned, trainers)
 }
 
 /// The index Jobs `dp` owns and their pods.
@@ -145,23 +165,51 @@ async fn index(
     Ok(IndexObserved { jobs, pods })
 }
 
-/// The installation's CA Secret and the pipeline's certificate Secret.
+/// The installation's CA Secret (the operator's own namespace, read under its Role), whether
+/// the pipeline's certificate Secret exists, and what its status records of it. That Secret
+/// is never read: a dry-run create answers 409 when it exists and writes nothing.
 async fn cert_secrets(
     ctx: &Context,
     dp: &DataPipeline,
     key: &PipelineKey,
 ) -> Result<CertSecrets, Error> {
-    let get = |namespace: String, name: String| async move {
-        Api::<Secret>::namespaced(ctx.client.clone(), &namespace)
-            .get_opt(&name)
+    let ca_namespace = ca_namespace(&key.namespace);
+    let read_ca = async {
+        Api::<Secret>::namespaced(ctx.client.clone(), &ca_namespace)
+            .get_opt(CA_SECRET)
             .await
-            .map_err(get_err("get", "Secret", &namespace, &name))
+            .map_err(get_err("get", "Secret", &ca_namespace, CA_SECRET))
     };
-    let (ca, pipeline) = futures::try_join!(
-        get(ca_namespace(&key.namespace), CA_SECRET.to_string()),
-        get(key.namespace.clone(), tls_secret_name(dp)),
-    )?;
-    Ok(CertSecrets { ca, pipeline })
+    let name = tls_secret_name(dp);
+    let probe = async {
+        let placeholder = Secret {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                ..ObjectMeta::default()
+            },
+            ..Secret::default()
+        };
+        let dry_run = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        match Api::<Secret>::namespaced(ctx.client.clone(), &key.namespace)
+            .create(&dry_run, &placeholder)
+            .await
+        {
+            Ok(_) => Ok(false),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(true),
+            Err(source) => Err(get_err("dry-run create", "Secret", &key.namespace, &name)(
+                source,
+            )),
+        }
+    };
+    let (ca, pipeline_exists) = futures::try_join!(read_ca, probe)?;
+    Ok(CertSecrets {
+        ca,
+        pipeline_exists,
+        issued: dp.status.as_ref().and_then(|s| s.certificate.clone()),
+    })
 }
 
 /// The note of the newest `SourceUnavailable` Event a sidecar recorded on the pipeline, if it
@@ -215,4 +263,45 @@ fn autoscale_input(
         world_size: u32::try_from(seen.world_size.max(seen.pods)).unwrap_or(0),
     };
     autoscaler.observe(&ctx.client, dp, pods, now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+    fn pod(name: &str, owner_uid: Option<&str>) -> Pod {
+        let mut p = Pod::default();
+        p.metadata.name = Some(name.into());
+        p.metadata.owner_references = owner_uid.map(|uid| {
+            vec![OwnerReference {
+                uid: uid.into(),
+                controller: Some(true),
+                ..OwnerReference::default()
+            }]
+        });
+        p
+    }
+
+    #[test]
+    fn a_pod_with_copied_labels_is_no_decoder_of_the_pipeline() {
+        let mut dp: DataPipeline =
+            serde_yaml::from_str(include_str!("../../tests/fixtures/datapipeline-crop.yaml"))
+                .expect("fixture");
+        dp.metadata.uid = Some("dp-uid".into());
+        let labelled = vec![
+            pod("ours", Some("dp-uid")),
+            pod("copied-labels", None),
+            pod("another-owner", Some("other-uid")),
+        ];
+        let trainers = vec![pod("trainer", None)];
+        let (decoders, kept) = decoders_owned(&dp, (labelled, trainers));
+        let names: Vec<String> = decoders.iter().map(|p| p.name_any()).collect();
+        assert_eq!(names, ["ours"]);
+        assert_eq!(
+            kept.len(),
+            1,
+            "trainers are the user's pods: kept as they are"
+        );
+    }
 }

@@ -17,7 +17,7 @@ use super::desired::{Desired, Scale, desired};
 use super::observe::{Observed, SOURCE_OUTAGE_FRESH, observe};
 use super::{Context, Error, apply, fleet, index, report, status, trainers, validate};
 use crate::api::v1alpha1::{AutoscalingMode, DataPipelineStatus};
-use crate::api::{DataPipeline, PipelineKey};
+use crate::api::{DataPipeline, PipelineKey, RESERVED_NAMESPACES};
 
 /// How soon a reconcile that found its reads stale looks again.
 const STALE_RETRY: Duration = Duration::from_millis(200);
@@ -48,6 +48,12 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     }
     if dp.meta().deletion_timestamp.is_some() {
         forget(ctx, dp, &key);
+        return Ok(Action::await_change());
+    }
+    if RESERVED_NAMESPACES.contains(&key.namespace.as_str()) {
+        // Admission refuses these; one that exists anyway (made before the webhook, or with it
+        // off) gets nothing from the operator, not even a status.
+        tracing::warn!(pipeline = %key, "not reconciled: a pipeline in one of the cluster's own namespaces");
         return Ok(Action::await_change());
     }
     let now = Timestamp::now();
@@ -191,6 +197,9 @@ fn settled_status(
         autoscale: scale.decision.as_ref(),
     };
     let mut status = status::desired_status(dp, obs, now);
+    if let Some(record) = &desired.certs.record {
+        status.certificate = Some(record.clone());
+    }
     if let Some(job) = &desired.index_job {
         let index = index::status_of(dp, job, &observed.index);
         index::report(dp, &mut status, index, now);

@@ -165,6 +165,8 @@ pub fn desired_status(dp: &DataPipeline, obs: Observation, now: Timestamp) -> Da
         index: previous
             .index
             .filter(|_| dp.spec.source.indexed().is_some()),
+        // Replaced by the reconcile when it writes a new certificate.
+        certificate: previous.certificate,
     }
 }
 

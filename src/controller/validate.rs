@@ -14,6 +14,9 @@ pub fn validate(spec: &DataPipelineSpec, defaults: &BuildDefaults) -> Vec<String
     if image.trim().is_empty() {
         problems
             .push("decoders.image is empty and the operator has no default loader image".into());
+    } else if let Some(refused) = defaults.image_refusal(spec) {
+        // Admission refuses it too; this catches pipelines admitted before the policy changed.
+        problems.push(refused);
     }
     // Rules the API server also enforces, kept here for servers that skip CEL (or objects
     // written before a rule existed).
@@ -46,5 +49,23 @@ mod tests {
         s.decoders.image = Some(" ".into());
         let problems = validate(&s, &BuildDefaults::default());
         assert_eq!(problems.len(), 2, "{problems:?}");
+    }
+
+    #[test]
+    fn an_image_the_installation_does_not_allow_is_a_problem() {
+        let mut s = spec();
+        s.decoders.image = Some("attacker.example/miner:1".into());
+        let problems = validate(&s, &BuildDefaults::default());
+        assert_eq!(
+            problems,
+            [
+                "decoders.image: attacker.example/miner:1 is not an image this installation allows (the chart's decoders.allowedImages)"
+            ]
+        );
+        let allowing = BuildDefaults {
+            allowed_images: vec!["attacker.example/*".into()],
+            ..BuildDefaults::default()
+        };
+        assert!(validate(&s, &allowing).is_empty());
     }
 }

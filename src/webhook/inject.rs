@@ -138,6 +138,7 @@ mod tests {
         BuildDefaults {
             loader_image: "loader:test".into(),
             sidecar_resources: None,
+            allowed_images: Vec::new(),
         }
     }
 

@@ -1,5 +1,8 @@
-//! The mutating admission webhook: a thin HTTPS adapter around [`inject`].
+//! The admission webhooks, a thin HTTPS adapter around two pure cores: [`inject`] (a trainer
+//! pod gets its sidecar) and [`authorize`] (a DataPipeline asks of its author the rights it
+//! makes the operator use).
 
+pub mod authorize;
 pub mod inject;
 pub mod tls;
 
@@ -86,19 +89,16 @@ impl Handler {
             .unwrap_or_default();
         let api: Api<DataPipeline> = Api::namespaced(self.client.clone(), &namespace);
         match api.get_opt(&pipeline).await {
-            Ok(Some(dp)) => match injection_patch(pod, &dp, &self.defaults) {
-                Ok(patch) if patch.0.is_empty() => allow,
-                Ok(patch) => match allow.clone().with_patch(patch) {
-                    Ok(r) => {
-                        self.metrics.webhook("injected");
-                        r
-                    }
-                    Err(e) => allow.deny(format!("stoker could not encode the sidecar patch: {e}")),
-                },
-                Err(e) => {
-                    self.metrics.webhook(e.category());
-                    allow.deny(format!("stoker could not inject the loader sidecar: {e}"))
+            Ok(Some(dp)) => match self.defaults.image_refusal(&dp.spec) {
+                // A pipeline admitted before the allowed images changed: no trainer runs its
+                // image.
+                Some(refused) => {
+                    self.metrics.webhook("image_refused");
+                    allow.deny(format!(
+                        "DataPipeline \"{pipeline}\" cannot be injected: {refused}"
+                    ))
                 }
+                None => self.inject(pod, &dp, allow),
             },
             Ok(None) => {
                 self.metrics.webhook("pipeline_missing");
@@ -114,6 +114,78 @@ impl Handler {
             }
         }
     }
+}
+
+impl Handler {
+    /// The injection patch of `pod` for `dp`, as the response.
+    fn inject(&self, pod: &Pod, dp: &DataPipeline, allow: AdmissionResponse) -> AdmissionResponse {
+        match injection_patch(pod, dp, &self.defaults) {
+            Ok(patch) if patch.0.is_empty() => allow,
+            Ok(patch) => match allow.clone().with_patch(patch) {
+                Ok(r) => {
+                    self.metrics.webhook("injected");
+                    r
+                }
+                Err(e) => allow.deny(format!("stoker could not encode the sidecar patch: {e}")),
+            },
+            Err(e) => {
+                self.metrics.webhook(e.category());
+                allow.deny(format!("stoker could not inject the loader sidecar: {e}"))
+            }
+        }
+    }
+
+    /// Admission decision for one DataPipeline: refused when it lives in a reserved namespace,
+    /// names an image the installation does not allow, or asks for a right its author lacks
+    /// (each field named); never mutated.
+    async fn admit_pipeline(&self, req: &AdmissionRequest<DataPipeline>) -> AdmissionResponse {
+        let allow = AdmissionResponse::from(req);
+        if !matches!(req.operation, Operation::Create | Operation::Update) {
+            return allow;
+        }
+        let Some(dp) = req.object.as_ref() else {
+            return allow;
+        };
+        let namespace = req
+            .namespace
+            .clone()
+            .or_else(|| dp.namespace())
+            .unwrap_or_default();
+        let refused = match authorize::namespace_refusal(&namespace)
+            .or_else(|| self.defaults.image_refusal(&dp.spec))
+        {
+            Some(refused) => Some(refused),
+            None => {
+                let old = req.old_object.as_ref().map(|o| &o.spec);
+                let rights = authorize::required_rights(old, &dp.spec, &self.defaults);
+                let answered =
+                    authorize::authorize(&self.client, &req.user_info, &namespace, rights).await;
+                let user = req.user_info.username.as_deref().unwrap_or("<unknown>");
+                authorize::refusal(user, &namespace, &answered)
+            }
+        };
+        match refused {
+            Some(message) => {
+                self.metrics.webhook("pipeline_refused");
+                allow.deny(message)
+            }
+            None => {
+                self.metrics.webhook("pipeline_admitted");
+                allow
+            }
+        }
+    }
+}
+
+async fn authorize_pipeline(
+    State(handler): State<Handler>,
+    Json(review): Json<AdmissionReview<DataPipeline>>,
+) -> Json<AdmissionReview<DynamicObject>> {
+    let response = match TryInto::<AdmissionRequest<DataPipeline>>::try_into(review) {
+        Ok(req) => handler.admit_pipeline(&req).await,
+        Err(e) => AdmissionResponse::invalid(e.to_string()),
+    };
+    Json(response.into_review())
 }
 
 async fn mutate(
@@ -133,10 +205,15 @@ pub struct WebhookServer {
     pub task: tokio::task::JoinHandle<()>,
 }
 
-/// The injection webhook's configuration for an operator reached by `url` from outside the
-/// cluster (a local run, a test), limited to the namespace `namespace`. In a cluster the
-/// chart's `templates/webhook.yaml` is the one, with the same rules and selectors.
-pub fn url_configuration(name: &str, namespace: &str, url: &str) -> MutatingWebhookConfiguration {
+/// The webhooks' configuration for an operator reached at `base_url` (`https://host:port`)
+/// from outside the cluster (a local run, a test), limited to the namespace `namespace`: pod
+/// injection at `/mutate` and pipeline authorization at `/authorize`. In a cluster the chart's
+/// `templates/webhook.yaml` is the one, with the same rules and selectors.
+pub fn url_configuration(
+    name: &str,
+    namespace: &str,
+    base_url: &str,
+) -> MutatingWebhookConfiguration {
     serde_json::from_value(serde_json::json!({
         "metadata": {"name": name},
         "webhooks": [{
@@ -146,7 +223,7 @@ pub fn url_configuration(name: &str, namespace: &str, url: &str) -> MutatingWebh
             "failurePolicy": "Fail",
             "reinvocationPolicy": "IfNeeded",
             "timeoutSeconds": 10,
-            "clientConfig": {"url": url},
+            "clientConfig": {"url": format!("{base_url}{INJECT_PATH}")},
             "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
                        "resources": ["pods"], "scope": "Namespaced"}],
             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
@@ -154,10 +231,37 @@ pub fn url_configuration(name: &str, namespace: &str, url: &str) -> MutatingWebh
                 {"key": LABEL_PIPELINE, "operator": "Exists"},
                 {"key": crate::api::LABEL_ROLE, "operator": "NotIn", "values": [crate::api::ROLE_DECODER]}
             ]}
+        }, {
+            "name": "authorize.stoker.dev",
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "failurePolicy": "Fail",
+            "reinvocationPolicy": "IfNeeded",
+            "timeoutSeconds": 10,
+            "clientConfig": {"url": format!("{base_url}{AUTHORIZE_PATH}")},
+            "rules": [{"operations": ["CREATE", "UPDATE"], "apiGroups": ["stoker.dev"],
+                       "apiVersions": ["*"], "resources": ["datapipelines"], "scope": "Namespaced"}],
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
         }]
     }))
     .expect("a literal MutatingWebhookConfiguration deserializes")
 }
+
+/// Points every webhook of `cfg` at `base_url` (instead of a Service, if it named one), each
+/// keeping its path: an operator run outside the cluster serving a configuration.
+pub fn serve_from(cfg: &mut MutatingWebhookConfiguration, base_url: &str) {
+    for hook in cfg.webhooks.iter_mut().flatten() {
+        let path = match hook.name.as_str() {
+            "authorize.stoker.dev" => AUTHORIZE_PATH,
+            _ => INJECT_PATH,
+        };
+        hook.client_config.service = None;
+        hook.client_config.url = Some(format!("{base_url}{path}"));
+    }
+}
+
+const INJECT_PATH: &str = "/mutate";
+const AUTHORIZE_PATH: &str = "/authorize";
 
 /// How long in-flight admissions may finish after `shutdown`: the API server gives each call
 /// 10 s (the configuration's timeoutSeconds).
@@ -187,7 +291,8 @@ pub async fn serve(
         .map_err(bind_error)?
         .handle(handle.clone());
     let app = Router::new()
-        .route("/mutate", post(mutate))
+        .route(INJECT_PATH, post(mutate))
+        .route(AUTHORIZE_PATH, post(authorize_pipeline))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(Handler {
             client: client.clone(),

@@ -67,6 +67,21 @@ pub fn bin_dir() -> PathBuf {
     cache.join("bin")
 }
 
+/// What the API server audits: every request of a ServiceAccount (the operator's, a
+/// sidecar's, a decoder's) at Metadata level, once it is answered; the control plane's own
+/// accounts (kube-system) and people are left out, which keeps the log small.
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived, ResponseStarted]
+rules:
+  - level: None
+    userGroups: [\"system:serviceaccounts:kube-system\"]
+  - level: Metadata
+    userGroups: [\"system:serviceaccounts\"]
+  - level: None
+";
+const AUDIT_LOG: &str = "audit.log";
+
 impl ControlPlane {
     /// The control plane of this test binary, started on first use.
     ///
@@ -144,6 +159,7 @@ impl ControlPlane {
         write("apiserver.key", &serving.key_pem)?;
         write("sa.key", &sa_key)?;
         write("sa.pub", &sa_pub)?;
+        std::fs::write(dir.join("audit-policy.yaml"), AUDIT_POLICY)?;
 
         let mut cp = ControlPlane {
             kubeconfig: dir.join("kubeconfig"),
@@ -205,6 +221,11 @@ impl ControlPlane {
                 "--enable-aggregator-routing=true".into(),
                 "--allow-privileged=true".into(),
                 "--profiling=false".into(),
+                format!(
+                    "--audit-policy-file={}",
+                    dir.join("audit-policy.yaml").display()
+                ),
+                format!("--audit-log-path={}", dir.join(AUDIT_LOG).display()),
                 "--v=1".into(),
             ],
             &logs,
@@ -489,6 +510,16 @@ impl ControlPlane {
         cmd.env("HELM_CONFIG_HOME", self.dir.join("helm/config"))
             .env("HELM_DATA_HOME", self.dir.join("helm/data"));
         cmd
+    }
+
+    /// The API server's audit log so far: one JSON object per request a ServiceAccount made
+    /// (outside kube-system), with its verb, objectRef, user and responseStatus.
+    pub fn audit_events(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.dir.join(AUDIT_LOG))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .collect()
     }
 
     pub fn kubeconfig_path(&self) -> &Path {

@@ -5,9 +5,11 @@
 //! - [`s3`]: an S3 server (the `s3s-fs` crate) on loopback with signatures checked.
 //! - [`runtime`]: runs the pods bound to simulated nodes as local processes, one network
 //!   namespace per node with a rate-limited NIC; [`prometheus`]: a real Prometheus scraping them.
+//! - [`audit`]: what the API server's audit log says an identity did.
 //! - [`http`] and [`metrics`]: the one HTTP client and the one Prometheus text reader of the
 //!   tests.
 
+pub mod audit;
 pub mod certs;
 pub mod cluster;
 pub mod http;

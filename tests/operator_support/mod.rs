@@ -106,28 +106,33 @@ pub struct Operator {
     pub task: tokio::task::JoinHandle<Result<(), stoker_operator::RunError>>,
 }
 
+/// How the tests run an operator scoped to `namespace`: no lease, no autoscaler.
+pub fn test_config(namespace: &str, webhook: Option<WebhookConfig>) -> Config {
+    Config {
+        watch_namespace: Some(namespace.to_string()),
+        lease: None,
+        defaults: BuildDefaults {
+            loader_image: LOADER_IMAGE.to_string(),
+            // What injected sidecars get (the webhook test checks them).
+            sidecar_resources: Some(
+                serde_json::from_value(serde_json::json!({
+                    "requests": {"cpu": "100m", "memory": "128Mi"},
+                    "limits": {"cpu": "100m", "memory": "128Mi"}
+                }))
+                .expect("resources"),
+            ),
+            allowed_images: Vec::new(),
+        },
+        webhook,
+        metrics_listen: None,
+        installation: None,
+        autoscaler: None,
+    }
+}
+
 impl Operator {
     pub async fn start(client: Client, namespace: &str, webhook: Option<WebhookConfig>) -> Self {
-        let config = Config {
-            watch_namespace: Some(namespace.to_string()),
-            lease: None,
-            defaults: BuildDefaults {
-                loader_image: LOADER_IMAGE.to_string(),
-                // What injected sidecars get (the webhook test checks them).
-                sidecar_resources: Some(
-                    serde_json::from_value(serde_json::json!({
-                        "requests": {"cpu": "100m", "memory": "128Mi"},
-                        "limits": {"cpu": "100m", "memory": "128Mi"}
-                    }))
-                    .expect("resources"),
-                ),
-            },
-            webhook,
-            metrics_listen: None,
-            installation: None,
-            autoscaler: None,
-        };
-        Self::start_with(client, config).await
+        Self::start_with(client, test_config(namespace, webhook)).await
     }
 
     pub async fn start_with(client: Client, config: Config) -> Self {

@@ -277,8 +277,12 @@ pub(super) async fn start_fleet(args: &SidecarArgs) -> Result<Workers, SidecarEr
     let mut kube_client = None;
     let discovery: Option<Box<dyn WorkerDiscovery>> = match &args.workers_selector {
         Some(selector) => {
-            let workers =
-                KubeWorkers::connect(args.workers_namespace.clone(), selector.clone()).await?;
+            let workers = KubeWorkers::connect(
+                args.workers_namespace.clone(),
+                selector.clone(),
+                args.pipeline_uid.clone(),
+            )
+            .await?;
             kube_client = Some(workers.client.clone());
             Some(Box::new(workers))
         }

@@ -1,5 +1,5 @@
-//! The sidecar's reads from the Kubernetes API: decoder discovery (the operator's decode pods,
-//! by label selector) and the local-decode share the operator writes on the sidecar's own pod.
+//! The sidecar's reads from the Kubernetes API: decoder discovery (the operator's decode pods:
+//! by label selector, and of those only the ones the pipeline owns) and the local-decode share the operator writes on the sidecar's own pod.
 //! The only file of the loader that talks to the Kubernetes API.
 
 use futures::StreamExt;
@@ -17,12 +17,19 @@ pub struct KubeWorkers {
     pub namespace: String,
     /// e.g. `stoker.dev/pipeline=qwen3vl-pretrain,stoker.dev/role=decoder`
     pub selector: String,
+    /// The DataPipeline's UID: only pods it controls are decoders (labels anyone can copy).
+    /// `None` (a sidecar run by hand) takes every labelled pod.
+    pub owner_uid: Option<String>,
     pub port: u16,
 }
 
 impl KubeWorkers {
     /// In-cluster (service account) or kubeconfig configuration.
-    pub async fn connect(namespace: String, selector: String) -> Result<Self, DiscoveryError> {
+    pub async fn connect(
+        namespace: String,
+        selector: String,
+        owner_uid: Option<String>,
+    ) -> Result<Self, DiscoveryError> {
         let client = kube::Client::try_default()
             .await
             .map_err(|e| DiscoveryError::Kube {
@@ -34,6 +41,7 @@ impl KubeWorkers {
             client,
             namespace,
             selector,
+            owner_uid,
             port: DECODER_GRPC_PORT,
         })
     }
@@ -58,12 +66,25 @@ impl WorkerDiscovery for KubeWorkers {
             let mut out: Vec<String> = list
                 .items
                 .iter()
+                .filter(|p| controlled_by(p, self.owner_uid.as_deref()))
                 .filter_map(|p| serving_address(p, self.port))
                 .collect();
             out.sort();
             Ok(out)
         })
     }
+}
+
+/// Whether `owner_uid` (when given) is the controller among `pod`'s owners.
+pub fn controlled_by(pod: &Pod, owner_uid: Option<&str>) -> bool {
+    let Some(uid) = owner_uid else {
+        return true;
+    };
+    pod.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.uid == uid && o.controller == Some(true))
 }
 
 /// The gRPC endpoint of a pod that should get batches: Ready, not draining, with an IP.
@@ -181,6 +202,24 @@ mod tests {
         assert_eq!(local_share_of(&with("1.5")), Some(Err("1.5".into())));
         assert_eq!(local_share_of(&with("half")), Some(Err("half".into())));
         assert_eq!(local_share_of(&Pod::default()), None);
+    }
+
+    #[test]
+    fn only_pods_the_pipeline_controls_are_decoders() {
+        let owned = |uid: &str, controller: bool| -> Pod {
+            serde_json::from_value(serde_json::json!({ "metadata": { "name": "d",
+                "ownerReferences": [{ "apiVersion": "stoker.dev/v1alpha1", "kind": "DataPipeline",
+                    "name": "p", "uid": uid, "controller": controller }] } }))
+            .unwrap()
+        };
+        assert!(controlled_by(&owned("u1", true), Some("u1")));
+        assert!(!controlled_by(&owned("u1", false), Some("u1")));
+        assert!(!controlled_by(&owned("u2", true), Some("u1")));
+        assert!(!controlled_by(&Pod::default(), Some("u1")));
+        assert!(
+            controlled_by(&Pod::default(), None),
+            "a hand-run sidecar filters by label only"
+        );
     }
 
     fn pod(ready: &str, ip: Option<&str>, draining: Option<&str>) -> Pod {
