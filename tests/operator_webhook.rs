@@ -570,7 +570,8 @@ async fn a_pipeline_grants_its_author_nothing_the_author_could_not_do_alone() {
             serde_json::from_value(json!([{"key": "reserved", "operator": "Exists"}]))
                 .expect("tolerations");
     };
-    let cases: [(&str, &dyn Fn(&mut DataPipeline), String); 4] = [
+    type Edit<'a> = &'a dyn Fn(&mut DataPipeline);
+    let cases: [(&str, Edit, String); 4] = [
         (
             "image",
             &image,

@@ -167,6 +167,8 @@ async fn helm_install_feeds_a_trainer_and_helm_uninstall_removes_the_chart() {
         report.final_busy_pct
     );
 
+    audit_says_each_identity_kept_to_its_rights(cp);
+
     // The pipelines' namespace goes first (what a user does before uninstalling the operator
     // that reconciles it); then the release.
     wait_until_gone(&client, NAMESPACE).await;
@@ -180,7 +182,6 @@ async fn helm_install_feeds_a_trainer_and_helm_uninstall_removes_the_chart() {
             "--wait",
         ],
     );
-    audit_says_each_identity_kept_to_its_rights(cp);
     // The operator's own Secrets and Lease belong to the webhook configuration Helm deletes, so
     // the garbage collector removes them too.
     eventually(
@@ -198,8 +199,8 @@ async fn helm_install_feeds_a_trainer_and_helm_uninstall_removes_the_chart() {
     world.runtime.shutdown();
 }
 
-/// The API server's audit log of the whole run (the operator pods gone, so their watches are
-/// in it too): the operator read no Secret but its own two in its namespace and touched
+/// The API server's audit log of the run so far (before uninstall, which takes the operator's
+/// Role while its replicas still renew their Lease): the operator read no Secret but its own two in its namespace and touched
 /// nothing in the cluster's namespaces; the sidecar stayed in its namespace and was refused
 /// nothing; the decoders, which mount no token, made no request at all.
 fn audit_says_each_identity_kept_to_its_rights(cp: &ControlPlane) {
