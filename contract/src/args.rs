@@ -74,6 +74,10 @@ pub struct S3Args {
     /// Attempts per request before a sample is skipped as s3_error.
     #[arg(long, default_value_t = 10)]
     pub max_attempts: u32,
+    /// Most bytes one sample's GET may answer with; a larger object is skipped as too_large
+    /// from its Content-Length, its body never read.
+    #[arg(long, default_value_t = crate::DEFAULT_MAX_OBJECT_BYTES)]
+    pub max_object_bytes: u64,
 }
 
 /// Mutual TLS between sidecars and decoders: both ends present the pipeline's certificate and

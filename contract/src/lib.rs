@@ -58,6 +58,10 @@ pub const HELD_BATCHES: u64 = 2;
 /// At 8 bytes a sample it costs a sidecar 80 KB per rank.
 pub const DEFAULT_SHUFFLE_WINDOW: usize = 10_000;
 
+/// Most bytes one sample's object (or byte range) may have by default: a training image's
+/// file is a few MB; a larger one is skipped as `too_large` before its body is read.
+pub const DEFAULT_MAX_OBJECT_BYTES: u64 = 64 << 20;
+
 /// Bytes of one RGB8 pixel.
 pub const RGB_BYTES: u64 = 3;
 

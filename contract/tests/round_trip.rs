@@ -14,6 +14,7 @@ fn s3() -> S3Args {
         force_path_style: true,
         max_concurrent_gets: 17,
         max_attempts: 3,
+        max_object_bytes: 5 << 20,
     }
 }
 

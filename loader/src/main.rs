@@ -43,6 +43,7 @@ fn s3_config(args: &S3Args) -> S3Config {
         region: args.region.clone(),
         force_path_style: args.force_path_style,
         max_concurrent_gets: args.max_concurrent_gets,
+        max_object_bytes: args.max_object_bytes,
         ..S3Config::default()
     };
     c.retry.max_attempts = args.max_attempts.max(1);

@@ -161,3 +161,46 @@ async fn bad_files_are_skipped_with_their_reason_and_the_worker_keeps_serving() 
     );
     assert_eq!(metric(&text, "stoker_loader_samples_out_total"), 2.0);
 }
+
+/// A 5 GB object (sparse on the S3 server's disk) named as a sample: skipped as `too_large`
+/// from its Content-Length within seconds, no byte of its body held; the batch's good sample
+/// is still decoded.
+#[tokio::test]
+async fn an_object_over_the_byte_budget_is_skipped_unread() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3Server::start(dir.path()).unwrap();
+    server
+        .put_object(BUCKET, "good.jpg", &jpeg(320, 240))
+        .unwrap();
+    server
+        .put_sparse_object(BUCKET, "huge.jpg", 5 << 30)
+        .unwrap();
+    let mut w = worker(Some(&server), 2).await;
+    let before = rss_kib();
+    let started = std::time::Instant::now();
+    let reply = w
+        .client
+        .decode_batch(proto::DecodeBatchRequest {
+            batch_id: 1,
+            bucket: BUCKET.into(),
+            samples: vec![by_key("huge.jpg"), by_key("good.jpg")],
+            transform: Some(crop(224, 224)),
+        })
+        .await
+        .expect("the batch itself succeeds");
+    let took = started.elapsed();
+    let grown_mib = rss_kib().saturating_sub(before) / 1024;
+    let reasons: Vec<&str> = reply
+        .samples
+        .iter()
+        .map(|m| m.skip_reason.as_str())
+        .collect();
+    assert_eq!(reasons, ["too_large", ""]);
+    assert_eq!(reply.pixels.len(), 224 * 224 * 3);
+    assert!(took < std::time::Duration::from_secs(10), "took {took:?}");
+    assert!(
+        grown_mib < 64,
+        "RSS grew by {grown_mib} MiB for a 5 GB object"
+    );
+    eprintln!("5 GB object refused in {took:?}, RSS +{grown_mib} MiB");
+}

@@ -208,6 +208,26 @@ impl S3Server {
         Ok(())
     }
 
+    /// Writes an object of `len` bytes that is a hole on disk (a sparse file: free to make at
+    /// any size), with its ETag stored beside it as the server keeps one for a PUT, so that
+    /// a GET does not first hash every byte of it (s3s-fs computes a missing ETag).
+    pub fn put_sparse_object(&self, bucket: &str, key: &str, len: u64) -> anyhow::Result<()> {
+        use base64::Engine;
+        self.put_object(bucket, key, &[])?;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(self.config.root.join(bucket).join(key))?
+            .set_len(len)?;
+        let encode = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        let info = self.config.root.join(format!(
+            ".bucket-{}.object-{}.internal.json",
+            encode(bucket),
+            encode(key)
+        ));
+        std::fs::write(info, r#"{"e_tag":"\"sparse\""}"#)?;
+        Ok(())
+    }
+
     /// The next `n` requests, whatever they are, fail with `status` (503 answers with the
     /// `SlowDown` error body S3 uses when it throttles; other codes with `InternalError`).
     pub fn fail_next(&self, n: u64, status: u16) {

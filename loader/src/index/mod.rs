@@ -460,7 +460,14 @@ impl ShardTable {
     /// Shard `shard`'s own table: one range read of the tables file.
     async fn load_shard(&self, source: &S3Source, shard: u32) -> Result<LoadedShard, IndexError> {
         let s = shard as usize;
+        let bad = |detail: String| IndexError::Format {
+            location: self.location.to_string(),
+            detail: format!("table of shard {}: {detail}", self.keys[s]),
+        };
         let [at, end] = self.tables[s];
+        if end < at {
+            return Err(bad(format!("its bytes {at}..{end} run backwards")));
+        }
         let bytes = read(
             source,
             &self.location,
@@ -468,20 +475,11 @@ impl ShardTable {
             Some(at..end),
         )
         .await?;
-        let bad = |detail: String| IndexError::Format {
-            location: self.location.to_string(),
-            detail: format!("table of shard {}: {detail}", self.keys[s]),
-        };
         if bytes.len() as u64 != end - at {
             return Err(bad("cut short".into()));
         }
         Ok(match self.kind {
-            IndexKind::WebDataset => LoadedShard::Offsets(
-                bytes
-                    .chunks_exact(8)
-                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-                    .collect(),
-            ),
+            IndexKind::WebDataset => LoadedShard::Offsets(offsets_table(&bytes).map_err(bad)?),
             IndexKind::Parquet => LoadedShard::Parquet(
                 serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?,
             ),
@@ -523,6 +521,32 @@ impl ShardTable {
     }
 }
 
+/// A shard's sample starts (and the last sample's end), as `offsets.bin` stores them: little-
+/// endian u64s that never go backwards, since samples lie back to back in their shard. A table
+/// that breaks that was not written by `stoker-loader index`, and planning from it would ask S3
+/// for ranges that end before they start.
+fn offsets_table(bytes: &[u8]) -> Result<Vec<u64>, String> {
+    if !bytes.len().is_multiple_of(8) {
+        return Err(format!(
+            "{} bytes is not a whole number of offsets",
+            bytes.len()
+        ));
+    }
+    let offsets: Vec<u64> = bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect();
+    match offsets.windows(2).position(|w| w[1] < w[0]) {
+        Some(i) => Err(format!(
+            "offset {} ({}) comes before offset {i} ({}): offsets go backwards",
+            i + 1,
+            offsets[i + 1],
+            offsets[i]
+        )),
+        None => Ok(offsets),
+    }
+}
+
 async fn read(
     source: &S3Source,
     location: &ManifestLocation,
@@ -560,6 +584,27 @@ async fn read(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_offsets_table_that_goes_backwards_or_is_cut_is_refused() {
+        let table = |v: &[u64]| v.iter().flat_map(|o| o.to_le_bytes()).collect::<Vec<u8>>();
+        assert_eq!(
+            offsets_table(&table(&[0, 1024, 1024, 4096])),
+            Ok(vec![0, 1024, 1024, 4096])
+        );
+        let err = offsets_table(&table(&[0, 4096, 1024])).unwrap_err();
+        assert!(
+            err.contains("offset 2 (1024) comes before offset 1 (4096)"),
+            "{err}"
+        );
+        let mut cut = table(&[0, 512]);
+        cut.pop();
+        assert!(
+            offsets_table(&cut)
+                .unwrap_err()
+                .contains("not a whole number")
+        );
+    }
 
     #[test]
     fn braces_expand_with_their_padding() {

@@ -144,11 +144,11 @@ pub async fn fetch_samples(
         .iter()
         .enumerate()
         .filter(|(_, s)| s.range.is_none())
-        .map(|(i, s)| async move { (i, source.get(bucket, &s.key).await) });
+        .map(|(i, s)| async move { (i, source.get_sample(bucket, &s.key, None).await) });
     let spans = coalesce(samples, policy);
     let ranged = spans.iter().map(|span| async move {
         let got = source
-            .get_range(bucket, &span.key, Some(span.range.clone()))
+            .get_sample(bucket, &span.key, Some(span.range.clone()))
             .await;
         (span, got)
     });

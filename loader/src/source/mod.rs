@@ -51,6 +51,15 @@ pub enum SourceError {
         key: String,
         range: String,
     },
+    #[error(
+        "s3://{bucket}/{key}: {bytes} bytes, more than a sample may have ({limit}, --max-object-bytes)"
+    )]
+    TooLarge {
+        bucket: String,
+        key: String,
+        bytes: u64,
+        limit: u64,
+    },
     #[error("s3://{bucket}/{key}: access refused or no such bucket (HTTP {status})")]
     AccessDenied {
         bucket: String,
@@ -90,6 +99,7 @@ impl SourceError {
             SourceError::RangeNotSatisfiable { .. } => "range_not_satisfiable",
             SourceError::Throttled { .. } => "throttled",
             SourceError::Server { .. } => "server_error",
+            SourceError::TooLarge { .. } => "too_large",
             SourceError::AccessDenied { .. } => "access_denied",
             SourceError::Transport { .. } => "transport",
             SourceError::Request { .. } => "request",
@@ -105,6 +115,7 @@ impl SourceError {
         match self {
             SourceError::NotFound { .. } => SkipReason::NotFound,
             SourceError::RangeNotSatisfiable { .. } => SkipReason::Truncated,
+            SourceError::TooLarge { .. } => SkipReason::TooLarge,
             SourceError::AccessDenied { .. } => SkipReason::SourceUnavailable,
             _ => SkipReason::S3Error,
         }

@@ -52,6 +52,8 @@ pub struct S3Config {
     pub retry: RetryPolicy,
     /// Limit of one attempt (connect + response + body).
     pub attempt_timeout: Duration,
+    /// Most bytes a sample's GET may answer with ([`S3Source::get_sample`]).
+    pub max_object_bytes: u64,
 }
 
 impl Default for S3Config {
@@ -64,6 +66,7 @@ impl Default for S3Config {
             max_concurrent_gets: 64,
             retry: RetryPolicy::default(),
             attempt_timeout: Duration::from_secs(30),
+            max_object_bytes: stoker_contract::DEFAULT_MAX_OBJECT_BYTES,
         }
     }
 }
@@ -79,6 +82,11 @@ enum Attempt {
         detail: String,
     },
     AccessDenied(u16),
+    /// The answer announces more bytes than a sample may have.
+    TooLarge {
+        bytes: u64,
+        limit: u64,
+    },
     Fatal(String),
 }
 
@@ -118,6 +126,18 @@ fn classify<E: ProvideErrorMetadata + std::error::Error + 'static>(
     }
 }
 
+/// The `Range` header of `range` (inclusive end, as HTTP has it).
+fn range_header(range: Option<&std::ops::Range<u64>>) -> Option<String> {
+    range.map(|r| format!("bytes={}-{}", r.start, r.end.max(r.start + 1) - 1))
+}
+
+/// The announced length and `limit` when the one exceeds the other.
+fn over(content_length: Option<i64>, limit: Option<u64>) -> Option<(u64, u64)> {
+    let bytes = u64::try_from(content_length?).ok()?;
+    let limit = limit?;
+    (bytes > limit).then_some((bytes, limit))
+}
+
 impl Attempt {
     /// Throttling and transient failures are tried again; the rest is final.
     fn retried<T>(self) -> Outcome<T, Attempt> {
@@ -135,6 +155,7 @@ pub struct S3Source {
     gets: Arc<Semaphore>,
     retry: RetryPolicy,
     metrics: Arc<LoaderMetrics>,
+    max_object_bytes: u64,
 }
 
 impl std::fmt::Debug for S3Source {
@@ -190,6 +211,7 @@ impl S3Source {
             gets: Arc::new(Semaphore::new(config.max_concurrent_gets.max(1))),
             retry: config.retry,
             metrics,
+            max_object_bytes: config.max_object_bytes,
         }
     }
 
@@ -202,6 +224,22 @@ impl S3Source {
         self.get_range(bucket, key, None).await
     }
 
+    /// GETs one sample (`range` of its object, or all of it), at most the configured
+    /// `max_object_bytes`: a larger answer is [`SourceError::TooLarge`] from its Content-Length,
+    /// before any of its body is read, so a crafted 5 GB object costs no memory.
+    pub async fn get_sample(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Option<std::ops::Range<u64>>,
+    ) -> Result<Bytes, SourceError> {
+        let header = range_header(range.as_ref());
+        Ok(self
+            .get_with(bucket, key, header, Some(self.max_object_bytes))
+            .await?
+            .0)
+    }
+
     /// GETs `range` of an object (the whole object for `None`), retrying transient failures.
     /// The answer is shorter than asked when the object ends inside the range; a range that
     /// starts past the end is [`SourceError::RangeNotSatisfiable`].
@@ -211,10 +249,10 @@ impl S3Source {
         key: &str,
         range: Option<std::ops::Range<u64>>,
     ) -> Result<Bytes, SourceError> {
-        let header = range
-            .as_ref()
-            .map(|r| format!("bytes={}-{}", r.start, r.end.max(r.start + 1) - 1));
-        Ok(self.get_with(bucket, key, header).await?.0)
+        Ok(self
+            .get_with(bucket, key, range_header(range.as_ref()), None)
+            .await?
+            .0)
     }
 
     /// GETs the last `len` bytes of an object (all of it when shorter), with the object's
@@ -226,7 +264,7 @@ impl S3Source {
         len: u64,
     ) -> Result<(Bytes, u64), SourceError> {
         let (bytes, content_range) = self
-            .get_with(bucket, key, Some(format!("bytes=-{}", len.max(1))))
+            .get_with(bucket, key, Some(format!("bytes=-{}", len.max(1))), None)
             .await?;
         // `bytes 100-199/200`; a server that ignores the range sends the whole object.
         let size = content_range
@@ -236,11 +274,13 @@ impl S3Source {
     }
 
     /// One GET with an optional `Range` header, retried; the body and the `Content-Range`.
+    /// With `limit`, an answer announcing more bytes is refused unread.
     async fn get_with(
         &self,
         bucket: &str,
         key: &str,
         header: Option<String>,
+        limit: Option<u64>,
     ) -> Result<(Bytes, Option<String>), SourceError> {
         let attempt = |_| async {
             // The permit bounds concurrent GETs; it is released during backoff.
@@ -256,15 +296,19 @@ impl S3Source {
                 .send()
                 .await;
             let failed = match sent {
-                Ok(out) => match out.body.collect().await {
-                    Ok(data) => {
-                        let bytes = data.into_bytes();
-                        self.metrics.observe_get(t0.elapsed(), bytes.len());
-                        return Outcome::Done((bytes, out.content_range));
-                    }
-                    Err(e) => Attempt::Retry {
-                        status: 0,
-                        detail: format!("reading body: {e}"),
+                Ok(out) => match over(out.content_length, limit) {
+                    // Refused from the headers: the body is dropped unread.
+                    Some((bytes, limit)) => Attempt::TooLarge { bytes, limit },
+                    None => match out.body.collect().await {
+                        Ok(data) => {
+                            let bytes = data.into_bytes();
+                            self.metrics.observe_get(t0.elapsed(), bytes.len());
+                            return Outcome::Done((bytes, out.content_range));
+                        }
+                        Err(e) => Attempt::Retry {
+                            status: 0,
+                            detail: format!("reading body: {e}"),
+                        },
                     },
                 },
                 Err(e) => classify(&e),
@@ -299,6 +343,15 @@ impl S3Source {
                 let range = range.unwrap_or_default().to_string();
                 return SourceError::RangeNotSatisfiable { bucket, key, range };
             }
+            Attempt::TooLarge { bytes, limit } => (
+                "too_large",
+                SourceError::TooLarge {
+                    bucket,
+                    key,
+                    bytes,
+                    limit,
+                },
+            ),
             Attempt::AccessDenied(status) => (
                 "access_denied",
                 SourceError::AccessDenied {

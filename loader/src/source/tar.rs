@@ -47,7 +47,8 @@ pub struct Member {
 impl Member {
     /// End of the member's data padded to the block: where the next header starts.
     pub fn end(&self) -> u64 {
-        self.data_offset + self.size.div_ceil(BLOCK) * BLOCK
+        // The walker makes no member whose end would not fit; saturating all the same.
+        padded(self.size).map_or(u64::MAX, |p| self.data_offset.saturating_add(p))
     }
 
     /// WebDataset's sample key: the path up to the first `.` of the file name.
@@ -59,6 +60,11 @@ impl Member {
     pub fn extension(&self) -> &str {
         split_name(&self.name).1
     }
+}
+
+/// `size` rounded up to whole blocks; `None` when that does not fit in a u64.
+fn padded(size: u64) -> Option<u64> {
+    size.checked_next_multiple_of(BLOCK)
 }
 
 fn split_name(name: &str) -> (&str, &str) {
@@ -250,7 +256,15 @@ impl TarWalker {
                 } => {
                     let header_offset = self.first_header.take().unwrap_or(at);
                     let name = self.long_name.take().unwrap_or(name);
-                    self.skip = size.div_ceil(BLOCK) * BLOCK;
+                    // A crafted size near 2^64 must not wrap the stream arithmetic.
+                    let fits = padded(size).filter(|p| self.offset.checked_add(*p).is_some());
+                    let Some(skip) = fits else {
+                        return Err(TarError::BadHeader {
+                            offset: at,
+                            detail: format!("member size {size} runs past the end of any stream"),
+                        });
+                    };
+                    self.skip = skip;
                     if regular {
                         out.push(Member {
                             name,
@@ -485,6 +499,155 @@ pub(crate) mod tests {
         assert_eq!(b.finish(cut as u64), full[..2].to_vec());
         let err = split_sample(&data[full[1] as usize..cut]).unwrap_err();
         assert!(matches!(err, TarError::Truncated { .. }), "{err}");
+    }
+
+    /// Rewrites a header's checksum, so that a mutated header is parsed, not refused at once.
+    fn reseal(block: &mut [u8]) {
+        block[148..156].copy_from_slice(b"        ");
+        let sum: u32 = block.iter().map(|b| u32::from(*b)).sum();
+        block[148..155].copy_from_slice(format!("{sum:06o}\0").as_bytes());
+    }
+
+    /// A GNU base-256 size field holding `size`.
+    fn base256(size: u64) -> [u8; 12] {
+        let mut field = [0u8; 12];
+        field[0] = 0x80;
+        field[4..].copy_from_slice(&size.to_be_bytes());
+        field
+    }
+
+    #[test]
+    fn a_size_near_2_pow_64_is_a_header_error_not_a_wrap() {
+        let with_size = |size: u64| {
+            let mut data = shard();
+            data[124..136].copy_from_slice(&base256(size));
+            reseal(&mut data[..512]);
+            data
+        };
+        // Sizes whose padding or end does not fit in a u64: refused where they are read.
+        for size in [u64::MAX, u64::MAX - 100, u64::MAX - 511] {
+            let data = with_size(size);
+            let err = TarWalker::new().feed(&data).unwrap_err();
+            assert!(
+                err.to_string().contains("tar header at byte 0"),
+                "{size}: {err}"
+            );
+            let err = split_sample(&data).unwrap_err();
+            assert!(matches!(err, TarError::BadHeader { .. }), "{size}: {err}");
+        }
+        // A size that fits but runs past the bytes: the sample is truncated, its walk skips it.
+        let data = with_size(1 << 63);
+        let err = split_sample(&data).unwrap_err();
+        assert!(matches!(err, TarError::Truncated { .. }), "{err}");
+        let mut bounds = SampleBounds::default();
+        for m in TarWalker::new().feed(&data).unwrap() {
+            bounds.push(&m);
+        }
+        assert!(
+            bounds.finish(data.len() as u64).is_empty(),
+            "no sample ends inside the data"
+        );
+    }
+
+    /// xorshift64*: the fuzz loops' seeded source of bytes (no dependency, same run every time).
+    pub struct Rng(pub u64);
+
+    impl Rng {
+        pub fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+
+        pub fn below(&mut self, n: usize) -> usize {
+            (self.next() % n.max(1) as u64) as usize
+        }
+    }
+
+    /// Mutates a real shard (bytes, header fields with resealed checksums, base-256 sizes,
+    /// truncation) and walks each result in random pieces, then splits random ranges: whatever
+    /// the bytes, an error, never a panic. `STOKER_FUZZ_ITERATIONS` runs longer.
+    #[test]
+    fn mutated_shards_give_errors_never_panics() {
+        let iterations: usize = std::env::var("STOKER_FUZZ_ITERATIONS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(200_000);
+        let seeds = [
+            shard(),
+            tar_of(&[
+                ("a/very/long/name.jpg", &[1u8; 1500]),
+                ("a/very/long/name.txt", b"x"),
+            ]),
+        ];
+        // Where each seed's headers are: mutations aim there most of the time.
+        let headers: Vec<Vec<usize>> = seeds
+            .iter()
+            .map(|seed| {
+                let members = TarWalker::new().feed(seed).unwrap();
+                members
+                    .iter()
+                    .map(|m| m.data_offset as usize - 512)
+                    .collect()
+            })
+            .collect();
+        let mut rng = Rng(0x5EED_0F57_0CE2);
+        for i in 0..iterations {
+            let mut data = seeds[i % seeds.len()].clone();
+            for _ in 0..=rng.below(4) {
+                if data.len() < 512 {
+                    break;
+                }
+                let known = &headers[i % seeds.len()];
+                let header = match rng.below(5) {
+                    0 => rng.below(data.len() / 512) * 512,
+                    _ => known[rng.below(known.len())].min(data.len() - 512),
+                };
+                match rng.below(5) {
+                    0 => {
+                        let at = rng.below(data.len());
+                        data[at] = rng.next() as u8;
+                    }
+                    1 => {
+                        let field = 124 + rng.below(12);
+                        data[header + field] = rng.next() as u8;
+                        reseal(&mut data[header..header + 512]);
+                    }
+                    2 => {
+                        // The values where arithmetic breaks, then any magnitude.
+                        let size = base256(match rng.below(4) {
+                            0 => u64::MAX - rng.below(2048) as u64,
+                            1 => 1 << rng.below(64),
+                            2 => rng.below(1 << 16) as u64,
+                            _ => rng.next() >> rng.below(64),
+                        });
+                        data[header + 124..header + 136].copy_from_slice(&size);
+                        reseal(&mut data[header..header + 512]);
+                    }
+                    3 => {
+                        data[header + 156] = [b'L', b'x', b'g', b'5', 0][rng.below(5)];
+                        reseal(&mut data[header..header + 512]);
+                    }
+                    _ => data.truncate(rng.below(data.len())),
+                }
+            }
+            let mut walker = TarWalker::new();
+            let piece = 1 + rng.below(1200);
+            for chunk in data.chunks(piece) {
+                let Ok(members) = walker.feed(chunk) else {
+                    break;
+                };
+                for m in members {
+                    assert!(m.end() >= m.data_offset + m.size, "{m:?}");
+                }
+            }
+            let start = rng.below(data.len() + 1);
+            let end = start + rng.below(data.len() - start + 1);
+            if let Ok(parts) = split_sample(&data[start..end]) {
+                let _ = &data[start..end][parts.image];
+            }
+        }
     }
 
     #[test]

@@ -159,7 +159,7 @@ impl DecodeWorker {
             Ok(s.inline)
         } else {
             match &self.source {
-                Some(src) => src.get(bucket, &s.key).await.map_err(|e| {
+                Some(src) => src.get_sample(bucket, &s.key, None).await.map_err(|e| {
                     tracing::warn!(key = %s.key, reason = %e.skip_reason(), error = %e, "skipping sample");
                     e.skip_reason()
                 }),
