@@ -114,9 +114,7 @@ impl Handler {
             }
         }
     }
-}
 
-impl Handler {
     /// The injection patch of `pod` for `dp`, as the response.
     fn inject(&self, pod: &Pod, dp: &DataPipeline, allow: AdmissionResponse) -> AdmissionResponse {
         match injection_patch(pod, dp, &self.defaults) {
