@@ -53,18 +53,13 @@ fn trainer_pod(name: &str) -> Pod {
 
 /// A client of the test API server that authenticates with `token` only.
 async fn client_with_token(cp: &ControlPlane, token: &str) -> kube::Client {
-    let kubeconfig = kube::config::Kubeconfig::read_from(cp.kubeconfig_path()).expect("kubeconfig");
-    let mut config = kube::Config::from_custom_kubeconfig(
-        kubeconfig,
-        &kube::config::KubeConfigOptions::default(),
-    )
+    client_as_who(cp, |auth| {
+        *auth = kube::config::AuthInfo {
+            token: Some(token.to_string().into()),
+            ..kube::config::AuthInfo::default()
+        }
+    })
     .await
-    .expect("config");
-    config.auth_info = kube::config::AuthInfo {
-        token: Some(token.to_string().into()),
-        ..kube::config::AuthInfo::default()
-    };
-    kube::Client::try_from(config).expect("client")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

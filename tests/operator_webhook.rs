@@ -448,16 +448,11 @@ async fn a_certificate_near_expiry_is_renewed_with_the_same_ca() {
 /// A client of the test API server acting as `user` (impersonation, as `kubectl --as` does):
 /// the API server hands the webhook this user's name and groups.
 async fn client_as(cp: &ControlPlane, user: &str) -> Client {
-    let kubeconfig = kube::config::Kubeconfig::read_from(cp.kubeconfig_path()).expect("kubeconfig");
-    let mut config = kube::Config::from_custom_kubeconfig(
-        kubeconfig,
-        &kube::config::KubeConfigOptions::default(),
-    )
+    client_as_who(cp, |auth| {
+        auth.impersonate = Some(user.to_string());
+        auth.impersonate_groups = Some(vec!["system:authenticated".into()]);
+    })
     .await
-    .expect("config");
-    config.auth_info.impersonate = Some(user.to_string());
-    config.auth_info.impersonate_groups = Some(vec!["system:authenticated".into()]);
-    Client::try_from(config).expect("client")
 }
 
 /// A Role granting `rules` in `ns`, bound to `user`.

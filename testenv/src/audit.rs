@@ -12,6 +12,9 @@ pub struct Request {
     pub namespace: String,
     pub name: String,
     pub code: i64,
+    /// RBAC refused it (the authorizer's decision), as opposed to a 403 from admission, such
+    /// as a write into a namespace being deleted.
+    pub forbidden: bool,
 }
 
 impl std::fmt::Display for Request {
@@ -23,8 +26,13 @@ impl std::fmt::Display for Request {
             namespace,
             name,
             code,
+            forbidden,
         } = self;
-        write!(f, "{user}: {verb} {resource} {namespace}/{name} -> {code}")
+        let refused = if *forbidden { " (RBAC)" } else { "" };
+        write!(
+            f,
+            "{user}: {verb} {resource} {namespace}/{name} -> {code}{refused}"
+        )
     }
 }
 
@@ -52,6 +60,7 @@ pub fn requests_of(events: &[Value], user: &str) -> Vec<Request> {
                 .pointer("/responseStatus/code")
                 .and_then(Value::as_i64)
                 .unwrap_or_default(),
+            forbidden: text(e, "/annotations/authorization.k8s.io~1decision") == "forbid",
         })
         .collect()
 }
@@ -61,7 +70,7 @@ pub const CLUSTER_NAMESPACES: [&str; 3] = ["kube-system", "kube-public", "kube-n
 
 /// What in `requests` breaks the operator's promises: it read (get, list, watch) a Secret
 /// other than its own in `own_namespace` (`own_secrets`), it touched one of the cluster's own
-/// namespaces, or it was refused anything.
+/// namespaces, or RBAC refused it anything.
 pub fn operator_breaches(
     requests: &[Request],
     own_namespace: &str,
@@ -74,18 +83,18 @@ pub fn operator_breaches(
             let own = r.namespace == own_namespace && own_secrets.contains(&r.name.as_str());
             (r.resource == "secrets" && read && !own)
                 || CLUSTER_NAMESPACES.contains(&r.namespace.as_str())
-                || r.code == 403
+                || r.forbidden
         })
         .map(Request::to_string)
         .collect()
 }
 
-/// What in `requests` goes beyond an identity confined to `namespace`: a refused request, or
-/// one about another namespace or a cluster-scoped object.
+/// What in `requests` goes beyond an identity confined to `namespace`: a request RBAC refused,
+/// or one about another namespace or a cluster-scoped object.
 pub fn confinement_breaches(requests: &[Request], namespace: &str) -> Vec<String> {
     requests
         .iter()
-        .filter(|r| r.code == 403 || r.namespace != namespace)
+        .filter(|r| r.forbidden || r.namespace != namespace)
         .map(Request::to_string)
         .collect()
 }
@@ -95,10 +104,12 @@ mod tests {
     use super::*;
 
     fn event(user: &str, verb: &str, resource: &str, ns: &str, name: &str, code: i64) -> Value {
+        let decision = if code == 403 { "forbid" } else { "allow" };
         serde_json::json!({
             "user": {"username": user}, "verb": verb,
             "objectRef": {"resource": resource, "namespace": ns, "name": name},
-            "responseStatus": {"code": code}
+            "responseStatus": {"code": code},
+            "annotations": {"authorization.k8s.io/decision": decision}
         })
     }
 
@@ -113,15 +124,19 @@ mod tests {
             event(op, "list", "nodes", "", "", 403),
             event("someone-else", "get", "secrets", "team-a", "s3-keys", 200),
         ];
+        // Admission's 403 (a namespace being deleted) is no breach of RBAC.
+        let mut terminating = event(op, "create", "secrets", "team-a", "p-decoders-tls", 403);
+        terminating["annotations"]["authorization.k8s.io/decision"] = "allow".into();
+        let events = [events.as_slice(), &[terminating]].concat();
         let requests = requests_of(&events, op);
-        assert_eq!(requests.len(), 5);
+        assert_eq!(requests.len(), 6);
         let breaches = operator_breaches(&requests, "stoker-system", &["stoker-ca"]);
         assert_eq!(
             breaches,
             [
                 format!("{op}: get secrets team-a/s3-keys -> 200"),
                 format!("{op}: list pods kube-system/ -> 200"),
-                format!("{op}: list nodes / -> 403"),
+                format!("{op}: list nodes / -> 403 (RBAC)"),
             ]
         );
         let sidecar = [

@@ -97,6 +97,23 @@ pub async fn install_crd(client: &Client) {
 
 pub use stoker_testenv::eventually;
 
+/// A client of `cp`'s API server as someone else: its kubeconfig's server and CA, the
+/// credentials `who` sets (a token; or the admin's, impersonating a user).
+pub async fn client_as_who(
+    cp: &stoker_testenv::cluster::ControlPlane,
+    who: impl FnOnce(&mut kube::config::AuthInfo),
+) -> Client {
+    let kubeconfig = kube::config::Kubeconfig::read_from(cp.kubeconfig_path()).expect("kubeconfig");
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .expect("config");
+    who(&mut config.auth_info);
+    Client::try_from(config).expect("client")
+}
+
 /// An operator running in this process, scoped to one namespace.
 pub struct Operator {
     pub shutdown: CancellationToken,
