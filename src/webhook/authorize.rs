@@ -50,8 +50,8 @@ pub fn required_rights(
     new: &DataPipelineSpec,
     defaults: &BuildDefaults,
 ) -> Vec<Right> {
-    let changed = |field: fn(&DataPipelineSpec) -> serde_json::Value| {
-        old.is_none_or(|old| field(old) != field(new))
+    let changed = |same: fn(&DataPipelineSpec, &DataPipelineSpec) -> bool| {
+        old.is_none_or(|old| !same(old, new))
     };
     let mut rights = Vec::new();
     let d = &new.decoders;
@@ -59,24 +59,26 @@ pub fn required_rights(
     if d.image
         .as_deref()
         .is_some_and(|i| i != defaults.loader_image)
-        && changed(|s| serde_json::json!(s.decoders.image))
+        && changed(|a, b| a.decoders.image == b.decoders.image)
     {
         rights.push(Right::pods("decoders.image"));
     }
     if d.service_account_name.is_some()
-        && changed(|s| serde_json::json!(s.decoders.service_account_name))
+        && changed(|a, b| a.decoders.service_account_name == b.decoders.service_account_name)
     {
         rights.push(Right::pods("decoders.serviceAccountName"));
     }
-    if !d.tolerations.is_empty() && changed(|s| serde_json::json!(s.decoders.tolerations)) {
+    if !d.tolerations.is_empty() && changed(|a, b| a.decoders.tolerations == b.decoders.tolerations)
+    {
         rights.push(Right::pods("decoders.tolerations"));
     }
-    if s3.use_instance_metadata && changed(|s| serde_json::json!(s.source.s3.use_instance_metadata))
+    if s3.use_instance_metadata
+        && changed(|a, b| a.source.s3.use_instance_metadata == b.source.s3.use_instance_metadata)
     {
         rights.push(Right::pods("source.s3.useInstanceMetadata"));
     }
     if let Some(secret) = &s3.credentials_secret_ref
-        && changed(|s| serde_json::json!(s.source.s3.credentials_secret_ref))
+        && changed(|a, b| a.source.s3.credentials_secret_ref == b.source.s3.credentials_secret_ref)
     {
         rights.push(Right {
             field: "source.s3.credentialsSecretRef",

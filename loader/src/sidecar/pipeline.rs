@@ -264,17 +264,11 @@ impl Stream {
 
 /// One batch to decode, and where it sits in the stream.
 struct Planned {
-    generation: u64,
-    seq: u64,
-    epoch: u64,
-    index: u64,
-    batch_id: u64,
-    /// The epoch's position once every rank has consumed this batch.
-    position: usize,
+    turn: Turn,
     samples: PlannedSamples,
 }
 
-/// Where a batch goes in the stream: [`Planned`] without its samples.
+/// Where a batch goes in the stream.
 #[derive(Clone, Copy)]
 struct Turn {
     generation: u64,
@@ -282,6 +276,7 @@ struct Turn {
     epoch: u64,
     index: u64,
     batch_id: u64,
+    /// The epoch's position once every rank has consumed this batch.
     position: usize,
 }
 
@@ -478,12 +473,14 @@ impl Pipeline {
                 let lease = self.ring.acquire().await;
                 let index = epoch.first_index + j as u64;
                 let planned = Planned {
-                    generation,
-                    seq,
-                    epoch: cursor.epoch,
-                    index,
-                    batch_id: cursor.epoch * batches_per_epoch + index,
-                    position,
+                    turn: Turn {
+                        generation,
+                        seq,
+                        epoch: cursor.epoch,
+                        index,
+                        batch_id: cursor.epoch * batches_per_epoch + index,
+                        position,
+                    },
                     samples: batch,
                 };
                 self.metrics.inflight_batches.inc();
@@ -504,23 +501,13 @@ impl Pipeline {
     /// One planned batch, start to end: decode it (until S3 gave every sample), lay its
     /// samples into the slot, publish it in its turn. A source that stays down stops delivery.
     async fn fill(self: Arc<Self>, planned: Planned, lease: SlotLease) {
-        let Planned {
+        let Planned { turn, samples } = planned;
+        let Turn {
             generation,
             seq,
-            epoch,
-            index,
             batch_id,
-            position,
-            samples,
-        } = planned;
-        let turn = Turn {
-            generation,
-            seq,
-            epoch,
-            index,
-            batch_id,
-            position,
-        };
+            ..
+        } = turn;
         if self.lock_stream().generation != generation {
             // Replaced before its turn came: the lease frees the slot.
             self.metrics.inflight_batches.dec();
@@ -551,7 +538,7 @@ impl Pipeline {
 
     /// Lays `decoded` into the slot and hands its header to delivery, which gives it to the
     /// trainer in order.
-    fn publish_batch(&self, planned: Turn, decoded: Decoded, mut lease: SlotLease) {
+    fn publish_batch(&self, turn: Turn, decoded: Decoded, mut lease: SlotLease) {
         let slot_bytes = self.ring.slot_bytes();
         let route = decoded.route;
         let (samples, used) = lay_into_slot(decoded, lease.bytes_mut(), slot_bytes);
@@ -560,10 +547,10 @@ impl Pipeline {
             slot: slot_index,
             slot_offset: u64::from(slot_index) * slot_bytes as u64,
             nbytes: used,
-            epoch: planned.epoch,
-            index: planned.index,
-            batch_id: planned.batch_id,
-            position: planned.position as u64,
+            epoch: turn.epoch,
+            index: turn.index,
+            batch_id: turn.batch_id,
+            position: turn.position as u64,
             dtype: "uint8".into(),
             samples,
             ready_ns: monotonic_ns(),
@@ -573,7 +560,7 @@ impl Pipeline {
         self.metrics.inflight_batches.dec();
         if !self
             .delivery
-            .publish(planned.generation, planned.seq, Item::Batch(header))
+            .publish(turn.generation, turn.seq, Item::Batch(header))
         {
             // The trainer moved the stream (seek, new rank) while this batch was decoding.
             if let Err(err) = self.ring.release(slot) {
